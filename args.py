@@ -1,0 +1,138 @@
+"""Server arguments: one frozen struct, validated once, passed to every process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class ArgsError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    dtype: str = "auto"
+    tp: int = 1
+    load_format: str = "safetensors"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_prefill_length: int | None = 8192
+    max_running_requests: int = 32
+    page_size: int = 16
+    kv_pool_tokens: int | None = None
+    state_slots: int | None = None
+    # Prefix caching of hybrid state.
+    disable_prefix_cache: bool = False
+    checkpoint_align: int = 64
+    prefill_coalesce: bool = False
+    enable_cache_report: bool = False
+    # Wiring.
+    api_key: str | None = None
+    tap_addr: str | None = None
+    run_dir: str | None = None
+    scheduler_addr: str | None = None
+    executor_addr: str | None = None
+    result_addr: str | None = None
+    detokenizer_addr: str | None = None
+    frontend_addr: str | None = None
+    log_level: str = "info"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, flag: str, msg: str) -> None:
+            if not cond:
+                raise ArgsError(f"--{flag.replace('_', '-')}: {msg}")
+
+        need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        need(0 < self.port < 65536, "port", f"must be in [1, 65535], got {self.port}")
+        need(self.max_running_requests >= 1, "max_running_requests",
+             f"must be >= 1, got {self.max_running_requests}")
+        need(self.max_prefill_length is None or self.max_prefill_length >= 1, "max_prefill_length",
+             f"must be >= 1, got {self.max_prefill_length}")
+        need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
+             f"must be a power of two, got {self.page_size}")
+        need(self.checkpoint_align >= 1 and self.checkpoint_align % self.page_size == 0, "checkpoint_align",
+             f"must be a positive multiple of --page-size ({self.page_size}), got {self.checkpoint_align}")
+        need(self.kv_pool_tokens is None or self.kv_pool_tokens >= self.page_size, "kv_pool_tokens",
+             f"must be >= --page-size ({self.page_size}), got {self.kv_pool_tokens}")
+        need(self.state_slots is None or self.state_slots >= 1, "state_slots",
+             f"must be >= 1, got {self.state_slots}")
+        need(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+             f"must be >= 2, got {self.max_model_len}")
+        need(self.load_format in ("safetensors", "random"), "load_format",
+             f"must be 'safetensors' or 'random', got {self.load_format!r}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+             f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
+             f"must be debug, info, warning or error, got {self.log_level!r}")
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model)) if self.model else "tidal-demo"
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "ServerArgs":
+        return cls(**msgspec.json.decode(data))
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("none", "0", "off") else int(text)
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--device", default=d.device, help="cuda, cpu, or auto (cuda if available)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (executors)")
+    p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "random"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-prefill-length", type=_optional_int, default=d.max_prefill_length,
+                   help="prompt tokens per scheduling turn (internal chunk size); 'none' for no limit")
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--kv-pool-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="recurrent-state slots (running requests + prefix-cache checkpoints)")
+    p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--checkpoint-align", type=int, default=d.checkpoint_align)
+    p.add_argument("--prefill-coalesce", action="store_true")
+    p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--tap-addr", default=None, help="ZeroMQ address of the tap PUB socket")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+
+
+def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in names})

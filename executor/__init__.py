@@ -1,0 +1,1 @@
+"""The executor: one process per GPU (TP rank) owning weights, KV pages and state slots."""

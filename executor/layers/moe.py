@@ -1,0 +1,55 @@
+"""Sparse MoE: softmax top-k router, routed experts and a sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ModelConfig
+from ...kernels.moe import experts_forward, route
+from .linear import Linear
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ResidentExperts(nn.Module):
+    """All experts of a layer in device memory as fused 3-D tensors (``--moe-strategy resident``).
+
+    ``gate_up_proj[e]`` is ``[2 * I, H]`` (gate rows first), ``down_proj[e]`` is ``[H, I]``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+
+    def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj[expert], self.down_proj[expert]
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = Linear(c.hidden_size, c.num_experts)
+        self.experts = ResidentExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_intermediate_size)
+        self.shared_expert_gate = Linear(c.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        routed = experts_forward(x, ids, weights, self.experts.weights)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

@@ -1,0 +1,91 @@
+"""PLE: hashed n-gram per-layer embeddings injected into every hyper-connection stream."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ...config import ModelConfig
+from ...kernels.conv import causal_conv1d, conv_history
+from ...kernels.ngram import layer_multipliers, ngram_ids
+from ..forward_batch import ForwardBatch
+from .linear import Linear, RMSNorm
+
+
+class NGramEmbedding(nn.Module):
+    """One PLE layer's hashed n-gram table (``--ple-backend gpu``: the table in device memory).
+
+    ``ngram_heads`` heads (``heads_per_ngram`` per order 2..ngram_size) each hash into their own
+    prime-sized range of one table; a token's embedding is its heads' rows concatenated.
+    """
+
+    def __init__(self, config: ModelConfig, ple_layer_index: int):
+        super().__init__()
+        c = config
+        self.eos = c.ple_eos_id
+        self.heads_per_ngram = c.heads_per_ngram
+        sizes = c.ngram_vocab_sizes(ple_layer_index)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.register_buffer("layer_multipliers", torch.tensor(
+            layer_multipliers(c.vocab_size, c.ngram_size, ple_layer_index, c.seed), dtype=torch.long))
+        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
+        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
+        self.ngram_embedding = nn.Module()
+        self.ngram_embedding.weight = nn.Parameter(
+            torch.empty(c.ngram_table_rows(ple_layer_index), c.ple_embed_dim // c.ngram_heads), requires_grad=False
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        ids = []
+        for seg, context in zip(batch.segments, batch.ngram_context):
+            ids.append(ngram_ids(context, batch.input_ids[seg.rows], self.eos, self.layer_multipliers,
+                                 self.ngram_heads_vocab_sizes, self.ngram_heads_offsets, self.heads_per_ngram))
+        rows = torch.cat(ids)
+        table = self.ngram_embedding.weight
+        return table[rows.to(table.device)].to(batch.input_ids.device).flatten(-2)
+
+
+class PLELayer(nn.Module):
+    """Adds ``gated + silu(dilated_conv(norm(gated)))`` to the streams, where ``gated`` is the
+    n-gram value scaled per stream by ``sigmoid(signsqrt(<norm(key_s), norm(H_s)> / sqrt(hidden)))``.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, ple_layer_index: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.hc_count, self.hidden = c.hc_count, c.hidden_size
+        width = c.hc_count * c.hidden_size
+        self.dilation = c.ngram_size
+        self.ple_embedding = NGramEmbedding(c, ple_layer_index)
+        self.key_proj = Linear(c.ple_embed_dim, width)
+        self.value_proj = Linear(c.ple_embed_dim, c.hidden_size)
+        self.norm_key = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.norm_query = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.norm_conv = RMSNorm(width, c.rms_norm_eps, group_size=c.hidden_size)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(width, 1, c.ple_conv_kernel_size), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        emb = self.ple_embedding(batch).to(streams.dtype)
+        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden))
+        value = self.value_proj(emb)
+        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden))
+        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = torch.sigmoid(gate) * value.unsqueeze(-2)
+        normed = self.norm_conv(gated.flatten(-2))
+        gated = gated.flatten(-2)
+        conv = torch.empty_like(normed)
+        windows = batch.states.ple_conv[self.layer_idx]
+        weight = self.conv1d.weight[:, 0, :]
+        for seg in batch.segments:
+            x = normed[seg.rows]
+            history = torch.zeros_like(windows[seg.slot]) if seg.fresh else windows[seg.slot].clone()
+            conv[seg.rows] = causal_conv1d(x, history, weight, dilation=self.dilation)
+            for off, dst in seg.exports:
+                windows[dst].copy_(conv_history(x, history, off))
+            windows[seg.slot].copy_(conv_history(x, history, seg.length))
+        return gated + conv

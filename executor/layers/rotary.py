@@ -1,0 +1,43 @@
+"""Rotary position embedding over the first ``rotary_dim`` features (text positions).
+
+Qwen4-Exp's multimodal rotary interleaves (t, h, w) frequency sections; for text every section
+carries the same position, so it reduces to ordinary partial rotary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        # Kept in fp32 outside the parameter/buffer set so that a dtype cast never touches it.
+        self._inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu")
+                                          / rotary_dim))
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, rotary_dim]`` cos and sin for integer ``positions [T]``."""
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self._inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, d]`` (or ``[T, d]``) by per-row ``cos/sin [T, rotary_dim]``."""
+        rd = cos.shape[-1]
+        if x.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rot, rest = x[..., :rd], x[..., rd:]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)

@@ -1,0 +1,68 @@
+"""Per-request recurrent state slots: everything a hybrid layer carries between forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from ...config import ModelConfig
+
+
+class StatePool:
+    """``num_slots`` slots, each holding one request's state at one position.
+
+    Per GDN layer: the conv window (last ``k - 1`` pre-conv rows of q/k/v) and the fp32 recurrent
+    state per value head. Per PLE layer: the conv window (last ``(k - 1) * ngram_size`` normalised
+    gated rows). Per slot: the n-gram context (last ``ngram_size - 1`` token ids), shared by all
+    PLE layers because it depends on token ids alone.
+
+    A slot's content is meaningful only together with a position, which the scheduler tracks; a
+    segment starting at position 0 ignores the slot's previous content (the zero state).
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, device: torch.device | str, dtype: torch.dtype):
+        self.config = config
+        self.num_slots = num_slots
+        c = config
+        self.gdn_conv: dict[int, torch.Tensor] = {}
+        self.gdn_state: dict[int, torch.Tensor] = {}
+        for layer in c.linear_layers:
+            self.gdn_conv[layer] = torch.zeros(
+                (num_slots, c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dtype=dtype, device=device
+            )
+            self.gdn_state[layer] = torch.zeros(
+                (num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                dtype=torch.float32, device=device,
+            )
+        self.ple_conv: dict[int, torch.Tensor] = {}
+        for layer in c.ple_layers:
+            self.ple_conv[layer] = torch.zeros(
+                (num_slots, c.ple_conv_window, c.hc_count * c.hidden_size), dtype=dtype, device=device
+            )
+        width = c.ngram_context if c.ple_layer_ids else 0
+        eos = c.ple_eos_id if c.ple_layer_ids else 0
+        self.ngram_context = torch.full((num_slots, width), eos, dtype=torch.long, device=device)
+        self._eos = eos
+
+    def _tensors(self):
+        yield from self.gdn_conv.values()
+        yield from self.gdn_state.values()
+        yield from self.ple_conv.values()
+        yield self.ngram_context
+
+    def copy(self, src: int, dst: int) -> None:
+        """Make slot ``dst`` hold exactly slot ``src``'s state (checkpoint save or restore)."""
+        if src == dst:
+            return
+        for t in self._tensors():
+            t[dst].copy_(t[src])
+
+    def reset(self, slot: int) -> None:
+        """The state at position 0."""
+        for t in self._tensors():
+            if t is self.ngram_context:
+                t[slot].fill_(self._eos)
+            else:
+                t[slot].zero_()
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self._tensors())

@@ -1,0 +1,80 @@
+"""Qwen4-Exp text model, layer by layer as transformers' ``modeling_qwen4_exp`` defines it.
+
+Rows are a flat batch of segments (any mix of prefill chunks and single-token decodes of different
+requests); per-request state lives in the pools the :class:`ForwardBatch` carries, never here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...config import LINEAR, ModelConfig
+from ..forward_batch import ForwardBatch
+from ..layers.attention import GatedAttention
+from ..layers.gdn import GatedDeltaNet
+from ..layers.hyper_connection import GatedResidual
+from ..layers.linear import Linear
+from ..layers.moe import SparseMoE
+from ..layers.ple import PLELayer
+from ..layers.rotary import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: Rotary):
+        super().__init__()
+        c = config
+        self.is_linear = c.layer_types[layer_idx] == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(c, layer_idx)
+        else:
+            self.self_attn = GatedAttention(c, layer_idx, rotary)
+        self.ple = PLELayer(c, layer_idx, c.ple_layers.index(layer_idx)) if layer_idx in c.ple_layers else None
+        self.attn_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
+        self.mlp_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
+        self.mlp = SparseMoE(c)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + self.ple(streams, batch)
+        block_in, inject = self.attn_hyper_connection(streams)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        streams = GatedResidual.residual(streams, mixer(block_in, batch), inject)
+        block_in, inject = self.mlp_hyper_connection(streams)
+        return GatedResidual.residual(streams, self.mlp(block_in), inject)
+
+
+class Qwen4ExpModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = Rotary(c.rotary_dim, c.rope_theta)
+        self.layers = nn.ModuleList([DecoderLayer(c, i, self.rotary) for i in range(c.num_hidden_layers)])
+        self.hyper_connection_mixer = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps,
+                                                    use_combine=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns the ``hc_count`` residual streams ``[T, hc * hidden]`` after the last layer."""
+        streams = self.embed_tokens(batch.input_ids).repeat(1, self.config.hc_count)
+        for layer in self.layers:
+            streams = layer(streams, batch)
+        return streams
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen4ExpModel(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Fold the streams of the rows that need logits and project to the vocabulary."""
+        hidden, _ = self.model.hyper_connection_mixer(streams)
+        return self.lm_head(hidden)

