@@ -90,10 +90,14 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
 
 
 def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int) -> None:
+    """Seeded weights, rounded through the checkpoint's dtype: the same values ``tidal checkpoint``
+    writes with this seed."""
+    stored = DTYPES.get(config.torch_dtype, torch.bfloat16)
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        param.data.copy_(random_tensor(name, tuple(param.shape), config, seed, device=param.device))
+        value = random_tensor(name, tuple(param.shape), config, seed, device="cpu")
+        param.data.copy_(value.to(stored))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 

@@ -120,6 +120,8 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
         shard, size = {}, 0
 
     for name, param in model.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)
         for key, part in split_for_checkpoint(name, tensor, config):
             if size and size + part.numel() * 2 > SHARD_BYTES:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 def pool_blocks(raw_keys: torch.Tensor, ratio: int) -> torch.Tensor:
     """Mean of each complete block of ``ratio`` raw index keys: ``[S, d] -> [S // ratio, d]``."""
     blocks = raw_keys.shape[0] // ratio
-    pooled = raw_keys[: blocks * ratio].reshape(blocks, ratio, -1).float().mean(dim=1)
+    pooled = raw_keys[: blocks * ratio].reshape(blocks, ratio, raw_keys.shape[-1]).float().mean(dim=1)
     return pooled.to(raw_keys.dtype)
 
 

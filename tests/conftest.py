@@ -1,0 +1,114 @@
+"""Shared fixtures: checkpoints written by ``tidal checkpoint`` and by transformers' ``save_pretrained``.
+
+``TIDAL_TEST_DEVICE=cuda`` runs the model tests on a GPU (float32); GPU-marked tests skip without one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
+os.environ.setdefault("TIKTOKEN_CACHE_DIR", "")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cpu")
+if DEVICE.startswith("cuda"):
+    # Exact float32 on both sides: no TF32 in cuDNN convs or matmuls.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+    if DEVICE.startswith("cuda"):
+        raise pytest.UsageError("TIDAL_TEST_DEVICE=cuda but no CUDA device is available")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    from tidal.executor.presets import write_checkpoint
+
+    return write_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
+
+
+# Text configs for transformers-written checkpoints. They differ from the tiny preset and from each
+# other in hc_count, GQA ratio, grouped value heads, QSA budget/ratio, PLE layers and ngram_size.
+HF_CONFIGS = {
+    "hf_hc2_gqa4": dict(
+        vocab_size=1024, hidden_size=48, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention",
+                                  "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 3, 3]},
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+        moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
+        hc_count=2, hc_lowrank=8, ple_layer_ids=[2], ple_embed_dim=32, ngram_size=2, heads_per_ngram=4,
+        ngram_vocab_size_base=257, split_ngram_parts=2, eos_token_id=1000,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4,
+    ),
+    "hf_hc3_ngram4": dict(
+        vocab_size=1536, hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 1.0,
+                         "mrope_section": [4, 2, 2]},
+        linear_key_head_dim=8, linear_value_head_dim=16, linear_num_key_heads=1, linear_num_value_heads=4,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=12, num_experts_per_tok=4,
+        hc_count=3, hc_lowrank=12, ple_layer_ids=[1, 3, 4], ple_embed_dim=48, ngram_size=4, heads_per_ngram=1,
+        ngram_vocab_size_base=101, split_ngram_parts=3, eos_token_id=1500, output_gate_type="sigmoid",
+        indexer_n_heads=3, indexer_kv_heads=1, indexer_head_dim=24, indexer_budget=48, indexer_compress_ratio=16,
+    ),
+}
+
+
+def build_hf_checkpoint(path: str, text_config: dict, composite: bool = False, seed: int = 0) -> str:
+    """Write a checkpoint with transformers' own ``save_pretrained``.
+
+    Weights are re-drawn so that no path is a no-op (transformers' training init zeroes every
+    ``1 + w`` norm offset and the PLE conv).
+    """
+    from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextConfig
+
+    from tidal.executor.weights import random_tensor
+
+    torch.manual_seed(seed)
+    if composite:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=text_config["hidden_size"], num_position_embeddings=16)
+        model = Qwen4ExpForConditionalGeneration(Qwen4ExpConfig(text_config=text_config, vision_config=vision))
+        prefix = "model.language_model."
+    else:
+        model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**text_config))
+        prefix = "model."
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.startswith(prefix):
+                text_name = "model." + name[len(prefix):]
+            elif name.startswith("lm_head"):
+                text_name = name
+            else:
+                continue
+            param.copy_(random_tensor(text_name, tuple(param.shape), None, seed))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for i, (name, cfg) in enumerate(HF_CONFIGS.items()):
+        out[name] = build_hf_checkpoint(str(tmp_path_factory.mktemp(name)), cfg, composite=(i == 1), seed=i + 1)
+    return out

@@ -1,0 +1,124 @@
+"""The scheduler on its own: admission, chunk plans, continuous batching, aborts, pool accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.args import ServerArgs
+from tidal.config import ModelConfig
+from tidal.messages import Detokenize, GenerateReq, PromptAdmitted
+from tidal.scheduler import Scheduler
+from tidal.sizing import pool_sizes
+
+
+@pytest.fixture
+def make(tiny_checkpoint):
+    config = ModelConfig.from_file(tiny_checkpoint)
+
+    def build(**kw):
+        args = ServerArgs(model=tiny_checkpoint, **kw)
+        events = []
+        sched = Scheduler(args, config, pool_sizes(args, config), events.append)
+        return sched, events
+    return build
+
+
+def fake_run(sched, batch, token=7):
+    sched.process_result(batch, [token if s.sample else -1 for s in batch.segments])
+
+
+def req(rid, n, max_tokens=4, **kw):
+    return GenerateReq(rid=rid, prompt_ids=list(range(1, n + 1)), max_tokens=max_tokens, **kw)
+
+
+def test_plan_chunks_and_prefill_budget(make):
+    sched, events = make(max_prefill_length=100, max_running_requests=4)
+    sched.add_request(req("a", 250))
+    sched.add_request(req("b", 30))
+    batch = sched.schedule()
+    admitted = {e.rid: e for e in events if isinstance(e, PromptAdmitted)}
+    assert admitted["a"].plan.chunks == [[0, 100], [100, 200], [200, 250]]
+    assert admitted["b"].plan.chunks == [[0, 30]]
+    assert admitted["a"].plan.mode == "chunked" and admitted["a"].cached_tokens == 0
+    # Turn 1: only a's first chunk fits the 100-token budget.
+    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 100)]
+    fake_run(sched, batch)
+    batch = sched.schedule()
+    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 100, 100)]
+    fake_run(sched, batch)
+    batch = sched.schedule()
+    assert [(s.rid, s.start, len(s.token_ids), s.sample) for s in batch.segments] == [
+        ("a", 200, 50, True), ("b", 0, 30, True)]
+    fake_run(sched, batch)
+    # Both decode together, every turn.
+    batch = sched.schedule()
+    assert [(s.rid, s.start, s.token_ids) for s in batch.segments] == [("a", 250, [7]), ("b", 30, [7])]
+
+
+def test_finish_by_length_and_eos_frees_everything(make):
+    sched, events = make(max_running_requests=2)
+    sched.add_request(req("a", 10, max_tokens=3))
+    sched.add_request(req("b", 10, max_tokens=50))
+    while sched.has_work():
+        batch = sched.schedule()
+        tokens = [248046 if s.rid == "b" and s.sample_index == 1 else 7 for s in batch.segments]
+        sched.process_result(batch, [t if s.sample else -1 for t, s in zip(tokens, batch.segments)])
+    done = {e.rid: e for e in events if isinstance(e, Detokenize) and e.finished}
+    assert done["a"].finish_reason == "length" and done["a"].usage.completion_tokens == 3
+    assert done["b"].finish_reason == "stop" and done["b"].usage.completion_tokens == 2
+    stats = sched.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0 and stats.running == 0
+
+
+def test_ignore_eos_and_stop_token_ids(make):
+    sched, events = make()
+    sched.add_request(req("a", 5, max_tokens=3, ignore_eos=True))
+    sched.add_request(req("b", 5, max_tokens=9, stop_token_ids=[7]))
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.process_result(batch, [248046 if s.rid == "a" else 7 for s in batch.segments])
+    done = {e.rid: e for e in events if isinstance(e, Detokenize) and e.finished}
+    assert done["a"].finish_reason == "length" and done["a"].usage.completion_tokens == 3
+    assert done["b"].finish_reason == "stop" and done["b"].usage.completion_tokens == 1
+
+
+def test_waits_for_capacity_then_runs(make):
+    sched, events = make(max_running_requests=1)
+    sched.add_request(req("a", 10, max_tokens=2))
+    sched.add_request(req("b", 10, max_tokens=2))
+    batch = sched.schedule()
+    assert {s.rid for s in batch.segments} == {"a"}
+    assert sched.stats().waiting == 1
+    while sched.has_work():
+        fake_run(sched, batch)
+        batch = sched.schedule() if sched.has_work() else None
+    assert sum(1 for e in events if isinstance(e, Detokenize) and e.finished) == 2
+
+
+def test_never_fitting_request_is_rejected(make):
+    sched, events = make(max_model_len=64)
+    sched.add_request(req("a", 60, max_tokens=10))
+    [err] = [e for e in events if isinstance(e, Detokenize)]
+    assert err.finish_reason == "error" and "context length of 64" in err.error
+    assert not sched.has_work()
+    sched2, events2 = make(kv_pool_tokens=32, max_model_len=None)
+    sched2.add_request(req("b", 40, max_tokens=4))
+    assert "KV pages" in events2[0].error
+
+
+def test_abort_is_idempotent_everywhere(make):
+    sched, events = make(max_running_requests=1, max_prefill_length=8)
+    sched.add_request(req("a", 20))
+    sched.add_request(req("b", 20))
+    batch = sched.schedule()  # a in flight, b waiting
+    sched.abort("b")
+    sched.abort("b")
+    sched.abort("a")  # in flight: finishes when its result arrives
+    assert sched.stats().state_slots_in_use == 1
+    fake_run(sched, batch)
+    sched.abort("a")
+    sched.abort("never-existed")
+    finished = [e for e in events if isinstance(e, Detokenize) and e.finished]
+    assert sorted((e.rid, e.finish_reason) for e in finished) == [("a", "abort"), ("b", "abort")]
+    stats = sched.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0 and not sched.has_work()
