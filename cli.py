@@ -15,6 +15,42 @@ def _checkpoint(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from .args import args_from_namespace
+    from .launcher import serve
+
+    return serve(args_from_namespace(ns))
+
+
+def _tap(ns: argparse.Namespace) -> int:
+    """Print one JSON object per PromptAdmitted / Detokenize message published on the tap."""
+    import msgspec
+    import zmq
+
+    from .messages import TapMessage, decoder, to_builtins
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(ns.connect)
+    dec = decoder(TapMessage)
+    out = sys.stdout
+    deadline = None if ns.count is None else ns.count
+    try:
+        while deadline is None or deadline > 0:
+            msg = dec.decode(sock.recv())
+            out.write(msgspec.json.encode(to_builtins(msg)).decode() + "\n")
+            out.flush()
+            if deadline is not None:
+                deadline -= 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ctx.destroy(0)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -26,6 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--config-only", action="store_true",
                     help="write config and tokenizer only (serve with --load-format random)")
     ck.set_defaults(func=_checkpoint)
+
+    from .args import add_server_flags
+
+    sv = sub.add_parser("serve", help="serve the OpenAI API (the demo model without --model)")
+    add_server_flags(sv)
+    sv.set_defaults(func=_serve)
+
+    tp = sub.add_parser("tap", help="print PromptAdmitted / Detokenize messages as JSON lines")
+    tp.add_argument("--connect", required=True, help="the server's --tap-addr (printed at start-up)")
+    tp.add_argument("--count", type=int, default=None, help="exit after this many messages")
+    tp.set_defaults(func=_tap)
     return parser
 
 

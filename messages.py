@@ -63,6 +63,15 @@ class PromptAdmitted(Struct, tag="PromptAdmitted", omit_defaults=True):
     plan: Plan
 
 
+class DetokenizeInit(Struct, tag="DetokenizeInit", omit_defaults=True):
+    """Sent by the scheduler when a request arrives: what the detokenizer needs to know of it."""
+
+    rid: str
+    prompt_tokens: int
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
@@ -80,6 +89,8 @@ class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
     error: str | None = None
+    # HTTP status for an error: 400 the request can never run here, 500 it failed while running.
+    error_status: int | None = None
 
 
 class SchedulerStats(Struct, tag="SchedulerStats"):
@@ -103,6 +114,7 @@ class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    error_status: int | None = None
 
 
 # ---- scheduler <-> executors ------------------------------------------------------------------
@@ -162,7 +174,7 @@ class HealthPing(Struct, tag="HealthPing"):
 
 SchedulerInbound = Union[GenerateReq, AbortReq, BatchResult, ExecutorFailed, Shutdown, Ready]
 ExecutorInbound = Union[Batch, Shutdown]
-DetokenizerInbound = Union[Detokenize, PromptAdmitted, SchedulerStats, Shutdown]
+DetokenizerInbound = Union[DetokenizeInit, Detokenize, PromptAdmitted, SchedulerStats, Shutdown]
 FrontendInbound = Union[TextDelta, SchedulerStats, PromptAdmitted, Ready, ExecutorFailed, Shutdown]
 TapMessage = Union[PromptAdmitted, Detokenize]
 

@@ -1,0 +1,1 @@
+"""Incremental detokenization, stop strings and text deltas."""

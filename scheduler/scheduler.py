@@ -217,13 +217,14 @@ class Scheduler:
             rid=req.rid, token_ids=new_tokens or [], finished=True, finish_reason=reason,
             usage=Usage(prompt_tokens=req.prompt_len, completion_tokens=len(req.output),
                         cached_tokens=req.cached_tokens),
-            error=error,
+            error=error, error_status=500 if error is not None else None,
         ))
 
     def _fail(self, rid: str, error: str, prompt_len: int) -> None:
         self.counters["requests_aborted"] += 1
         self.emit(Detokenize(rid=rid, token_ids=[], finished=True, finish_reason="error",
-                             usage=Usage(prompt_tokens=prompt_len, completion_tokens=0), error=error))
+                             usage=Usage(prompt_tokens=prompt_len, completion_tokens=0), error=error,
+                             error_status=400))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -1,0 +1,74 @@
+"""Per-request incremental detokenization that never emits broken UTF-8, with stop strings."""
+
+from __future__ import annotations
+
+import codecs
+
+from ..tokenizer import Tokenizer
+
+
+class IncrementalText:
+    """Turns token ids into text deltas.
+
+    Bytes of a multi-byte character split across tokens are held until the character completes.
+    Text that could be the beginning of a stop string is held until it is known not to be one; a
+    matched stop string and everything after it are never emitted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in (stop or []) if s]
+        self.skip_special = skip_special
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+        self.emitted = 0
+        self.tokens = 0  # ids consumed (up to and including the one completing a stop string)
+        self.stopped = False
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
+
+    def feed(self, token_ids: list[int]) -> str:
+        """Consume ids; returns the newly safe text. After a stop string matches, ignores input."""
+        for tok in token_ids:
+            if self.stopped:
+                break
+            self.tokens += 1
+            if self.skip_special and self.tokenizer.is_special(tok):
+                continue
+            self.text += self._decoder.decode(self.tokenizer.token_bytes(tok))
+            if self.stop:
+                self._check_stop()
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The request ended: flush held bytes (as U+FFFD if incomplete) and held-back text."""
+        if not self.stopped:
+            self.text += self._decoder.decode(b"", final=True)
+            if self.stop:
+                self._check_stop()
+        return self._release(final=True)
+
+    def _check_stop(self) -> None:
+        start = max(0, self.emitted - self._longest_stop)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and not self.stopped and self.stop:
+            end -= self._partial_stop_suffix()
+        end = max(end, self.emitted)
+        delta = self.text[self.emitted:end]
+        self.emitted = end
+        return delta
+
+    def _partial_stop_suffix(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

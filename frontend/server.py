@@ -1,0 +1,219 @@
+"""HTTP frontend: the OpenAI API over aiohttp on uvloop.
+
+aiohttp rather than starlette + uvicorn: one dependency that is both the server and (for tests
+and ``tidal bench``) the client, native SSE through ``StreamResponse``, and handler cancellation
+on client disconnect, which is how a closed stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import zmq
+from aiohttp import web
+
+from ..args import ServerArgs
+from ..config import ModelConfig
+from ..ipc import Push
+from ..messages import GenerateReq, Ready, SamplingParams, TextDelta, Usage
+from ..sizing import pool_sizes
+from ..tokenizer import load_tokenizer
+from .engine_client import EngineClient
+from .metrics import Metrics
+from .protocol import (APIError, Limits, ParsedRequest, chat_chunk, completion_chunk, full_response, parse_chat,
+                       parse_completion, usage_chunk)
+
+logger = logging.getLogger(__name__)
+MAX_BODY = 64 << 20
+
+
+def _json(data, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, ensure_ascii=False), status=status, content_type="application/json")
+
+
+def _error(err: APIError) -> web.Response:
+    return _json(err.body(), status=err.status)
+
+
+def _sse(data) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+class Frontend:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args = args
+        config = ModelConfig.from_file(model_path)
+        sizes = pool_sizes(args, config)
+        self.limits = Limits(model_name=args.model_name, max_model_len=sizes.max_model_len,
+                             kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size)
+        self.tokenizer = load_tokenizer(model_path)
+        self.metrics = Metrics()
+        self.client = EngineClient(args.scheduler_addr, args.frontend_addr, self.metrics)
+        self.created = int(time.time())
+
+    # ---- app --------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            if e.status == 400:
+                self.metrics.rejected += 1
+            return _error(e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(APIError(e.status, e.reason or "error", type_="invalid_request_error"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.args.api_key and request.path.startswith("/v1/"):
+            if request.headers.get("Authorization") != f"Bearer {self.args.api_key}":
+                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                               type_="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.client.ready:
+            return _json({"status": "ok"})
+        return _json({"status": "unavailable", "reason": self.client.failure or "starting"}, status=503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "tidal",
+            "max_model_len": self.limits.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    # ---- generation -------------------------------------------------------------------------
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if not self.client.ready:
+            raise APIError(503, "the server is not ready", type_="service_unavailable")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        parse = parse_chat if chat else parse_completion
+        parsed = parse(body, self.limits, self.tokenizer)
+        rid = uuid.uuid4().hex
+        arrival = time.monotonic()
+        queue = await self.client.submit(GenerateReq(
+            rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
+            sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+                                    seed=parsed.seed),
+            ignore_eos=parsed.ignore_eos, stop=parsed.stop, arrival=time.time()))
+        done = False
+        try:
+            if parsed.stream:
+                response = await self._stream(request, rid, parsed, queue, arrival)
+            else:
+                response = await self._collect(rid, parsed, queue, arrival)
+            done = True
+            return response
+        finally:
+            if done:
+                self.client.release(rid)
+            else:  # client gone or handler failed: free everything the request holds
+                asyncio.get_running_loop().create_task(self.client.abort(rid))
+
+    async def _next(self, queue: asyncio.Queue, state: dict, arrival: float) -> TextDelta:
+        delta: TextDelta = await queue.get()
+        if delta.token_ids and not state.get("first"):
+            state["first"] = True
+            self.metrics.observe_ttft(time.monotonic() - arrival)
+        if delta.finished:
+            self.metrics.finished(delta.finish_reason, delta.usage)
+        return delta
+
+    @staticmethod
+    def _failure(delta: TextDelta) -> APIError:
+        if delta.error_status == 400:
+            return APIError(400, delta.error or "the request cannot be served")
+        return APIError(500, delta.error or "the request failed", type_="server_error")
+
+    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival) -> web.Response:
+        parts, state = [], {}
+        while True:
+            delta = await self._next(queue, state, arrival)
+            parts.append(delta.text)
+            if delta.finished:
+                break
+        if delta.finish_reason == "error":
+            raise self._failure(delta)
+        usage = delta.usage or Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0)
+        return _json(full_response(rid, int(time.time()), parsed.model, parsed.chat, "".join(parts),
+                                   delta.finish_reason, usage))
+
+    async def _stream(self, request, rid: str, parsed: ParsedRequest, queue, arrival) -> web.StreamResponse:
+        created, model, state = int(time.time()), parsed.model, {}
+        delta = await self._next(queue, state, arrival)
+        # Errors before the first token (admission) still get a proper status and error body.
+        if delta.finished and delta.finish_reason == "error" and not delta.text:
+            raise self._failure(delta)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        if parsed.chat:
+            await response.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)))
+        while True:
+            if delta.text:
+                chunk = chat_chunk(rid, created, model, {"content": delta.text}, None) if parsed.chat \
+                    else completion_chunk(rid, created, model, delta.text, None)
+                await response.write(_sse(chunk))
+            if delta.finished:
+                break
+            delta = await self._next(queue, state, arrival)
+        if delta.finish_reason == "error":
+            err = APIError(500, delta.error or "the request failed", type_="server_error")
+            await response.write(_sse(err.body()))
+        else:
+            final = chat_chunk(rid, created, model, {}, delta.finish_reason) if parsed.chat \
+                else completion_chunk(rid, created, model, "", delta.finish_reason)
+            await response.write(_sse(final))
+            if parsed.include_usage and delta.usage is not None:
+                await response.write(_sse(usage_chunk(rid, created, model, parsed.chat, delta.usage)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def serve_frontend(args: ServerArgs, model_path: str) -> None:
+    frontend = Frontend(args, model_path)
+    frontend.client.start()
+    runner = web.AppRunner(frontend.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    ctx = zmq.Context()
+    control = Push(ctx, args.extra["control_addr"])
+    control.send(Ready(role="frontend", info={"url": f"http://{args.host}:{args.port}"}))
+    logger.info("listening on http://%s:%d", args.host, args.port)
+    await asyncio.Event().wait()
+
+
+def run_frontend(args: ServerArgs, model_path: str) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(serve_frontend(args, model_path))
+    except ImportError:
+        asyncio.run(serve_frontend(args, model_path))

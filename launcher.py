@@ -1,0 +1,202 @@
+"""``tidal serve``: start frontend, scheduler, executors and detokenizer; supervise; shut down.
+
+Each role runs as its own process (``python -m tidal.roles ROLE``), named ``tidal-<role>`` for
+``ps``. They talk over ZeroMQ: ``ipc://`` sockets in a private (0700) run directory unless
+``tcp://`` addresses are given. ``serve`` returns once any process dies or SIGINT/SIGTERM arrives,
+after every child is gone and the run directory is removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+from .args import ServerArgs
+from .ipc import Pull, Push
+from .messages import ExecutorFailed, FrontendInbound, Ready, Shutdown
+
+logger = logging.getLogger(__name__)
+DEMO_PRESET = "small"
+DEMO_VERSION = 1
+READY_TIMEOUT = 1800.0
+Role = tuple[str, int | None]
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidal")
+
+
+def demo_checkpoint() -> str:
+    """The built-in demo checkpoint, written once under the user's cache directory."""
+    path = os.path.join(cache_dir(), f"demo-{DEMO_PRESET}-v{DEMO_VERSION}")
+    marker = os.path.join(path, ".complete")
+    if os.path.exists(marker):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    with open(os.path.join(cache_dir(), ".demo.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(marker):
+            from .executor.presets import write_checkpoint
+
+            logger.info("writing the demo checkpoint (preset %r, random weights) to %s", DEMO_PRESET, path)
+            tmp = path + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_checkpoint(DEMO_PRESET, tmp, seed=0)
+            shutil.rmtree(path, ignore_errors=True)
+            os.replace(tmp, path)
+            open(marker, "w").close()
+    return path
+
+
+def wire(args: ServerArgs, run_dir: str) -> ServerArgs:
+    """Fill every unset address with an ``ipc://`` path of its own in ``run_dir``."""
+    def ipc(name: str) -> str:
+        return f"ipc://{os.path.join(run_dir, name)}"
+
+    extra = dict(args.extra)
+    extra.setdefault("control_addr", ipc("control"))
+    extra.setdefault("executor_addrs", [args.executor_addr.replace("{rank}", str(r)) if args.executor_addr
+                                        else ipc(f"executor-{r}") for r in range(args.tp)])
+    return args.replace(
+        run_dir=run_dir,
+        scheduler_addr=args.scheduler_addr or ipc("scheduler"),
+        detokenizer_addr=args.detokenizer_addr or ipc("detokenizer"),
+        frontend_addr=args.frontend_addr or ipc("frontend"),
+        tap_addr=args.tap_addr or ipc("tap"),
+        extra=extra,
+    )
+
+
+class Mesh:
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args, self.model_path = args, model_path
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stop = False
+
+    def roles(self) -> list[Role]:
+        return ([("detokenizer", None), ("scheduler", None)] + [("executor", r) for r in range(self.args.tp)]
+                + [("frontend", None)])
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env["TIDAL_SERVER_ARGS"] = json_args(self.args)
+        env["TIDAL_MODEL_PATH"] = self.model_path
+        for role, rank in self.roles():
+            name = role if rank is None else f"{role}-{rank}"
+            cmd = [sys.executable, "-m", "tidal.roles", role] + ([str(rank)] if rank is not None else [])
+            self.procs[name] = subprocess.Popen(cmd, env=env)
+
+    def dead(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def json_args(args: ServerArgs) -> str:
+    return args.to_json().decode()
+
+
+def serve(args: ServerArgs) -> int:
+    from .ipc import set_process_name, setup_logging
+
+    setup_logging(args.log_level, "serve")
+    set_process_name("tidal-serve")
+    if args.tp != 1:
+        logger.error("--tp %d: tensor parallelism is not available in this build; use --tp 1", args.tp)
+        return 2
+    model_path = args.model
+    if model_path is None:
+        model_path = demo_checkpoint()
+        logger.info("no --model: serving the built-in demo checkpoint %s (random weights: its answers are "
+                    "noise)", model_path)
+        args = args.replace(served_model_name=args.served_model_name or "tidal-demo")
+    elif not os.path.isdir(model_path):
+        logger.error("--model %s: not a directory", model_path)
+        return 2
+    else:
+        from .config import ConfigError, ModelConfig
+
+        try:
+            ModelConfig.from_file(model_path)
+        except ConfigError as e:
+            logger.error("--model %s: %s", model_path, e)
+            return 2
+    run_dir = tempfile.mkdtemp(prefix="tidal-")
+    os.chmod(run_dir, 0o700)
+    args = wire(args, run_dir)
+    ctx = zmq.Context()
+    control: Pull = Pull(ctx, args.extra["control_addr"], Ready | ExecutorFailed, bind=True)
+    mesh = Mesh(args, model_path)
+    stopping = {"signal": None}
+
+    def on_signal(signum, frame):
+        stopping["signal"] = signum
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        mesh.start()
+        waiting = {r if k is None else f"{r}-{k}" for r, k in mesh.roles()}
+        deadline = time.monotonic() + READY_TIMEOUT
+        while waiting and stopping["signal"] is None:
+            if mesh.dead():
+                name, rc = mesh.dead()[0]
+                logger.error("%s exited (code %s) during start-up", name, rc)
+                return 1
+            if time.monotonic() > deadline:
+                logger.error("processes not ready after %.0f s: %s", READY_TIMEOUT, sorted(waiting))
+                return 1
+            msg = control.recv(timeout_ms=200)
+            if isinstance(msg, Ready):
+                waiting.discard(msg.role)
+                if msg.info:
+                    logger.info("%s ready: %s", msg.role, msg.info)
+        if stopping["signal"] is not None:
+            return 0
+        to_frontend: Push[FrontendInbound] = Push(ctx, args.frontend_addr)
+        to_frontend.send(Ready(role="mesh"))
+        logger.info("serving %s at http://%s:%d (tap: %s)", args.model_name, args.host, args.port, args.tap_addr)
+        while stopping["signal"] is None:
+            dead = mesh.dead()
+            if dead:
+                name, rc = dead[0]
+                logger.error("%s exited (code %s); shutting down", name, rc)
+                try:
+                    to_frontend.send(Shutdown(reason=f"{name} exited"))
+                except zmq.ZMQError:
+                    pass
+                code = 1
+                break
+            msg = control.recv(timeout_ms=200)
+            if isinstance(msg, ExecutorFailed):
+                logger.error("executor %d failed: %s", msg.rank, msg.error)
+        if stopping["signal"] is not None:
+            logger.info("received %s; shutting down", signal.Signals(stopping["signal"]).name)
+        return code
+    finally:
+        mesh.stop()
+        ctx.destroy(0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+

@@ -1,0 +1,60 @@
+"""Entry point of one mesh process: ``python -m tidal.roles ROLE [RANK]``.
+
+The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` and the checkpoint path in
+``TIDAL_MODEL_PATH``; ``tidal serve`` sets both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+from .args import ServerArgs
+from .ipc import die_with_parent, set_process_name, setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str]) -> int:
+    role = argv[0]
+    rank = int(argv[1]) if len(argv) > 1 else 0
+    name = f"executor-{rank}" if role == "executor" else role
+    set_process_name(f"tidal-{name}")
+    die_with_parent()
+    args = ServerArgs.from_json(os.environ["TIDAL_SERVER_ARGS"].encode())
+    model_path = os.environ["TIDAL_MODEL_PATH"]
+    setup_logging(args.log_level, name)
+    # The launcher coordinates shutdown: Ctrl-C in a terminal reaches the whole group, but only
+    # the launcher acts on it; SIGTERM (from the launcher) ends a role at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    try:
+        if role == "frontend":
+            from .frontend.server import run_frontend
+
+            run_frontend(args, model_path)
+        elif role == "scheduler":
+            from .scheduler.process import run_scheduler
+
+            run_scheduler(args, model_path)
+        elif role == "executor":
+            from .executor.process import run_executor
+
+            run_executor(args, model_path, rank)
+        elif role == "detokenizer":
+            from .detokenizer.process import run_detokenizer
+
+            run_detokenizer(args, model_path)
+        else:
+            logger.error("unknown role %r", role)
+            return 2
+    except Exception:
+        logger.exception("%s failed", name)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

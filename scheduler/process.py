@@ -1,0 +1,100 @@
+"""The scheduler process: requests and results in, batches and detokenize steps out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from ..args import ServerArgs
+from ..config import ModelConfig
+from ..ipc import Pull, Push
+from ..messages import (AbortReq, Batch, BatchResult, DetokenizeInit, ExecutorFailed, GenerateReq, Ready,
+                        SchedulerInbound, Shutdown)
+from ..sizing import pool_sizes
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL = 0.05  # seconds between pool-gauge updates while busy
+
+
+class SchedulerLoop:
+    """Owns the sockets around a :class:`Scheduler`; one batch in flight at a time."""
+
+    def __init__(self, args: ServerArgs, model_path: str):
+        self.args = args
+        config = ModelConfig.from_file(model_path)
+        self.sizes = pool_sizes(args, config)
+        self.ctx = zmq.Context()
+        self.inbound: Pull = Pull(self.ctx, args.scheduler_addr, SchedulerInbound, bind=True)
+        self.to_detok: Push = Push(self.ctx, args.detokenizer_addr)
+        self.to_executors = [Push(self.ctx, addr) for addr in args.extra["executor_addrs"]]
+        self.control: Push = Push(self.ctx, args.extra["control_addr"])
+        self.scheduler = Scheduler(args, config, self.sizes, self.to_detok.send)
+        self.in_flight: Batch | None = None
+        self._last_stats = None
+        self._last_stats_time = 0.0
+        self.running = True
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, GenerateReq):
+            self.to_detok.send(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop))
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.scheduler.abort(msg.rid, msg.reason)
+        elif isinstance(msg, BatchResult):
+            batch, self.in_flight = self.in_flight, None
+            if batch is None or batch.batch_id != msg.batch_id:
+                logger.error("result for batch %s does not match the batch in flight", msg.batch_id)
+                return
+            if msg.error is not None:
+                logger.error("executor failed batch %d: %s", msg.batch_id, msg.error)
+                self.scheduler.fail_batch(batch, msg.error)
+            else:
+                self.scheduler.process_result(batch, msg.token_ids)
+        elif isinstance(msg, ExecutorFailed):
+            logger.error("executor %d failed: %s", msg.rank, msg.error)
+            if self.in_flight is not None:
+                self.scheduler.fail_batch(self.in_flight, msg.error)
+                self.in_flight = None
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def step(self) -> None:
+        busy = self.scheduler.has_work()
+        timeout = 0 if (busy and self.in_flight is None) else 100
+        first = self.inbound.recv(timeout_ms=timeout)
+        for msg in ([first] if first is not None else []) + self.inbound.drain():
+            self.handle(msg)
+        if self.in_flight is None:
+            batch = self.scheduler.schedule()
+            if batch is not None:
+                self.in_flight = batch
+                for sock in self.to_executors:
+                    sock.send(batch)
+        self._send_stats()
+
+    def _send_stats(self) -> None:
+        now = time.monotonic()
+        stats = self.scheduler.stats()
+        changed = (stats.running, stats.waiting, stats.kv_pages_in_use, stats.state_slots_in_use,
+                   stats.kv_pages_cached, stats.state_slots_cached, tuple(sorted(stats.counters.items())))
+        # Idle transitions go out at once so gauges read 0 as soon as the last request ends.
+        if changed != self._last_stats and (now - self._last_stats_time >= STATS_INTERVAL or stats.running == 0):
+            self.to_detok.send(stats)
+            self._last_stats, self._last_stats_time = changed, now
+
+    def run(self) -> None:
+        self.control.send(Ready(role="scheduler", info={
+            "max_model_len": self.sizes.max_model_len, "num_pages": self.sizes.num_pages,
+            "page_size": self.sizes.page_size, "num_slots": self.sizes.num_slots}))
+        logger.info("ready: %d KV pages of %d tokens, %d state slots", self.sizes.num_pages,
+                    self.sizes.page_size, self.sizes.num_slots)
+        while self.running:
+            self.step()
+
+
+def run_scheduler(args: ServerArgs, model_path: str) -> None:
+    SchedulerLoop(args, model_path).run()
