@@ -134,6 +134,7 @@ class Frontend:
             if done:
                 self.client.release(rid)
             else:  # client gone or handler failed: free everything the request holds
+                self.metrics.finished("abort", None)
                 asyncio.get_running_loop().create_task(self.client.abort(rid))
 
     async def _next(self, queue: asyncio.Queue, state: dict, arrival: float) -> TextDelta:

@@ -1,0 +1,132 @@
+"""Start and stop a real ``tidal serve`` for end-to-end tests (imported by test modules)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    out.append(int(entry))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+class Server:
+    def __init__(self, model: str, *flags: str, api_key: str | None = API_KEY):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="tidal-test-")
+        self.tap_addr = f"ipc://{self.dir}/tap"
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--model", model, "--port", str(self.port),
+               "--served-model-name", "tiny",
+               "--tap-addr", self.tap_addr, "--device", "cpu", *flags]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = open(os.path.join(self.dir, "serve.log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tidal serve exited ({self.proc.returncode}):\n{self.logs()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"tidal serve not ready after {timeout} s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def post(self, path: str, body, raw: bytes | None = None, headers=None) -> tuple[int, dict]:
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=headers or self.headers())
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until every ``_in_use`` gauge reads 0 (returns the last reading)."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            if m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0 \
+                    and m["tidal_requests_running"] == 0:
+                return m
+            if time.time() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 20.0) -> list[int]:
+        """SIGTERM ``tidal serve``; returns the pids of its children still alive afterwards."""
+        children = child_pids(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        deadline = time.time() + 5
+        alive = children
+        while alive and time.time() < deadline:
+            alive = [p for p in children if os.path.exists(f"/proc/{p}") and "tidal" in cmdline(p)]
+            time.sleep(0.05)
+        return alive

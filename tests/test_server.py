@@ -1,0 +1,257 @@
+"""End to end against a real ``tidal serve`` on the tiny checkpoint: OpenAI SDK, tap, aborts, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+import openai
+import pytest
+from server_harness import API_KEY, Server, child_pids, cmdline
+
+from tidal import LLM
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--max-model-len", str(MAX_MODEL_LEN), "--max-running-requests", "16")
+    yield srv
+    alive = srv.stop()
+    assert not alive, f"processes left after SIGTERM: {alive}"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint) -> LLM:
+    return LLM(tiny_checkpoint, device="cpu")
+
+
+def test_sdk_streaming_completion_with_usage(client):
+    stream = client.completions.create(model="tiny", prompt="The tide comes in", max_tokens=16, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert any(texts), "no non-empty text chunk"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = [c.usage for c in chunks if c.usage]
+    assert len(usage) == 1 and usage[0].completion_tokens == 16
+    assert usage[0].prompt_tokens == 4 and usage[0].total_tokens == 20
+    assert usage[0].prompt_tokens_details.cached_tokens == 0
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+
+
+def test_sse_ends_with_done(server):
+    async def go():
+        async with aiohttp.ClientSession(headers=server.headers()) as s:
+            async with s.post(server.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": [1, 2, 3], "max_tokens": 5, "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                return (await r.read()).decode()
+    body = asyncio.run(go())
+    events = [e for e in body.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_sdk_chat_streaming_and_not(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content  # greedy: the same text both ways
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_tap_ids_equal_offline_generate(server, offline, tiny_checkpoint):
+    tap = subprocess.Popen([sys.executable, "-m", "tidal.cli", "tap", "--connect", server.tap_addr],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # let the subscription reach the publisher
+        prompt = list(range(3000, 3137))
+        status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 20,
+                                                       "temperature": 0, "ignore_eos": True})
+        assert status == 200
+        rid = body["id"].removeprefix("cmpl-")
+        admitted, ids = None, []
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            line = json.loads(tap.stdout.readline())
+            if line.get("rid") != rid:
+                continue
+            if line["type"] == "PromptAdmitted":
+                admitted = line
+            elif line["type"] == "Detokenize":
+                ids += line["token_ids"]
+                if line.get("finished"):
+                    break
+        assert admitted is not None and admitted["prompt_tokens"] == len(prompt)
+        assert admitted["cached_tokens"] == 0 and admitted["plan"]["mode"] == "chunked"
+        assert admitted["plan"]["chunks"] == [[0, len(prompt)]]
+        assert line["finish_reason"] == "length" and line["usage"]["completion_tokens"] == 20
+        assert ids == offline.generate([prompt], max_tokens=20, ignore_eos=True)[0]
+    finally:
+        tap.terminate()
+        tap.wait()
+
+
+def test_sixteen_concurrent_streams_then_pools_idle(server):
+    async def one(session, i):
+        body = {"model": "tiny", "prompt": f"request number {i} " * (i + 1), "max_tokens": 10 + i,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        usage, done = None, False
+        async with session.post(server.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+        return i, usage, done
+
+    async def go():
+        async with aiohttp.ClientSession(headers=server.headers()) as s:
+            return await asyncio.gather(*(one(s, i) for i in range(16)))
+    for i, usage, done in asyncio.run(go()):
+        assert done and usage["completion_tokens"] == 10 + i
+    m = server.wait_idle()
+    assert m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0
+
+
+def test_closing_a_stream_aborts_the_request(server, client):
+    start = server.metrics()
+    before = start['tidal_requests_total{finish_reason="abort"}']
+
+    async def go():
+        async with aiohttp.ClientSession(headers=server.headers()) as s:
+            r = await s.post(server.url + "/v1/completions", json={
+                "model": "tiny", "prompt": "never ending", "max_tokens": 900, "stream": True, "ignore_eos": True})
+            seen = 0
+            async for raw in r.content:
+                if raw.startswith(b"data: {"):
+                    seen += 1
+                    if seen == 3:
+                        break
+            r.close()  # drop the connection mid-generation
+    asyncio.run(go())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["tidal_scheduler_requests_aborted_total"] > start["tidal_scheduler_requests_aborted_total"] \
+                and m["tidal_kv_pages_in_use"] == 0:
+            break
+        time.sleep(0.05)
+    assert m['tidal_requests_total{finish_reason="abort"}'] == before + 1
+    assert m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0
+    # The scheduler dropped the request long before its 900 tokens.
+    assert m["tidal_scheduler_requests_aborted_total"] == start["tidal_scheduler_requests_aborted_total"] + 1
+    assert m["tidal_scheduler_generation_tokens_total"] - start["tidal_scheduler_generation_tokens_total"] < 300
+    out = client.completions.create(model="tiny", prompt="still serving", max_tokens=3)
+    assert out.usage.completion_tokens == 3
+
+
+BAD_REQUESTS = [
+    ("missing prompt", {"model": "tiny"}, "prompt"),
+    ("ill-typed max_tokens", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ("negative max_tokens", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
+    ("huge max_tokens", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ("negative temperature", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("n > 1", {"prompt": "x", "n": 2}, "n"),
+    ("token id outside vocabulary", {"prompt": [5, 248320, 7]}, "prompt"),
+    ("negative token id", {"prompt": [5, -1]}, "prompt"),
+    ("prompt longer than context", {"prompt": list(range(1, MAX_MODEL_LEN + 5))}, "prompt"),
+    ("wrong model", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("unknown field", {"prompt": "x", "frobnicate": True}, "frobnicate"),
+    ("unsupported penalty", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("top_p out of range", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("batch of prompts", {"prompt": ["a", "b"]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("name,body,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_completion_requests(server, name, body, param):
+    status, resp = server.post("/v1/completions", body)
+    assert status == 400, resp
+    err = resp["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_chat_requests(server, body, param):
+    status, resp = server.post("/v1/chat/completions", body)
+    assert status == 400 and resp["error"]["param"] == param
+
+
+def test_invalid_json_auth_and_unknown_route(server, client):
+    status, resp = server.post("/v1/completions", None, raw=b"{not json")
+    assert status == 400 and resp["error"]["type"] == "invalid_request_error"
+    status, resp = server.post("/v1/completions", {"prompt": "x"}, headers={"Content-Type": "application/json"})
+    assert status == 401 and resp["error"]["code"] == "invalid_api_key"
+    status, resp = server.post("/v1/completions", {"prompt": "x"},
+                               headers={"Content-Type": "application/json", "Authorization": "Bearer wrong"})
+    assert status == 401
+    status, resp = server.post("/v1/nothing", {"prompt": "x"})
+    assert status == 404 and "error" in resp
+    # Still serving after all of that.
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens == 2
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_stop_string_ends_text(server, client):
+    greedy = client.completions.create(model="tiny", prompt="stop strings", max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert len(greedy) > 6
+    stop = greedy[3:6]
+    out = client.completions.create(model="tiny", prompt="stop strings", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == greedy[: greedy.index(stop)]
+    assert out.usage.completion_tokens < 12
+    assert server.wait_idle()["tidal_kv_pages_in_use"] == 0
+
+
+def test_processes_are_named_and_sigterm_leaves_nothing(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, api_key=None)
+    names = sorted(cmdline(p) for p in child_pids(srv.proc.pid))
+    assert names == ["tidal-detokenizer", "tidal-executor-0", "tidal-frontend", "tidal-scheduler"]
+    for pid in child_pids(srv.proc.pid):
+        with open(f"/proc/{pid}/comm") as f:
+            assert f.read().strip().startswith("tidal-")
+    run_dirs = [d for d in os.listdir("/tmp") if d.startswith("tidal-") and not d.startswith("tidal-test")]
+    alive = srv.stop()
+    assert alive == []
+    assert srv.proc.returncode == 0
+    after = [d for d in os.listdir("/tmp") if d.startswith("tidal-") and not d.startswith("tidal-test")]
+    assert len(after) < len(run_dirs) or not run_dirs
