@@ -73,23 +73,30 @@ class Tokenizer:
         return data.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> list[int]:
-        """Render ``messages`` and encode; message contents are encoded as plain text."""
+                            encode_content=None, **kwargs) -> list[int]:
+        """Render ``messages`` and encode; message contents are encoded as plain text.
+
+        ``encode_content(message)`` may return the ids to use for a message's content (the server
+        passes back the exact ids it generated for an earlier answer, so a follow-up turn matches
+        the prefix cache token for token); ``None`` falls back to plain-text encoding.
+        """
         template = self.chat_template or CHATML_TEMPLATE
         markers = []
         rendered_messages = []
         for i, m in enumerate(messages):
             marker = f"\x00tidal-content-{i}\x00"
-            markers.append((marker, m.get("content") or ""))
+            markers.append((marker, m))
             rendered_messages.append({**m, "content": marker})
         text = _compile(template).render(messages=rendered_messages, add_generation_prompt=add_generation_prompt,
                                          **kwargs)
         ids: list[int] = []
         pos = 0
-        pieces = sorted(((text.find(mk), mk, content) for mk, content in markers if mk in text))
-        for at, marker, content in pieces:
+        pieces = sorted(((text.find(mk), i, mk) for i, (mk, _) in enumerate(markers) if mk in text))
+        for at, i, marker in pieces:
+            message = markers[i][1]
             ids += self.encode_with_special(text[pos:at])
-            ids += self.encode(content)
+            known = encode_content(message) if encode_content else None
+            ids += known if known is not None else self.encode(message.get("content") or "")
             pos = at + len(marker)
         ids += self.encode_with_special(text[pos:])
         return ids

@@ -223,7 +223,7 @@ def _message_text(m: dict, i: int) -> str:
     raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
 
 
-def parse_chat(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
+def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequest:
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -240,7 +240,8 @@ def parse_chat(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     if not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs", "chat_template_kwargs must be an object")
     try:
-        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **kwargs)
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
+                                            encode_content=answers.lookup if answers else None, **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs)
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
     _check_prompt_ids(ids, limits, "messages")

@@ -22,6 +22,7 @@ from ..ipc import Push
 from ..messages import GenerateReq, Ready, SamplingParams, TextDelta, Usage
 from ..sizing import pool_sizes
 from ..tokenizer import load_tokenizer
+from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
 from .metrics import Metrics
 from .protocol import (APIError, Limits, ParsedRequest, chat_chunk, completion_chunk, full_response, parse_chat,
@@ -52,6 +53,7 @@ class Frontend:
                              kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size)
         self.tokenizer = load_tokenizer(model_path)
         self.metrics = Metrics()
+        self.answers = AnswerMemory()
         self.client = EngineClient(args.scheduler_addr, args.frontend_addr, self.metrics)
         self.created = int(time.time())
 
@@ -113,8 +115,10 @@ class Frontend:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
-        parse = parse_chat if chat else parse_completion
-        parsed = parse(body, self.limits, self.tokenizer)
+        if chat:
+            parsed = parse_chat(body, self.limits, self.tokenizer, self.answers)
+        else:
+            parsed = parse_completion(body, self.limits, self.tokenizer)
         rid = uuid.uuid4().hex
         arrival = time.monotonic()
         queue = await self.client.submit(GenerateReq(
@@ -152,15 +156,21 @@ class Frontend:
             return APIError(400, delta.error or "the request cannot be served")
         return APIError(500, delta.error or "the request failed", type_="server_error")
 
+    def _remember(self, parsed: ParsedRequest, text: str, ids: list[int], reason: str | None) -> None:
+        if parsed.chat and reason in ("stop", "length"):
+            self.answers.remember(text, ids, self.tokenizer)
+
     async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival) -> web.Response:
-        parts, state = [], {}
+        parts, ids, state = [], [], {}
         while True:
             delta = await self._next(queue, state, arrival)
             parts.append(delta.text)
+            ids += delta.token_ids
             if delta.finished:
                 break
         if delta.finish_reason == "error":
             raise self._failure(delta)
+        self._remember(parsed, "".join(parts), ids, delta.finish_reason)
         usage = delta.usage or Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0)
         return _json(full_response(rid, int(time.time()), parsed.model, parsed.chat, "".join(parts),
                                    delta.finish_reason, usage))
@@ -175,7 +185,10 @@ class Frontend:
         await response.prepare(request)
         if parsed.chat:
             await response.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)))
+        parts, ids = [], []
         while True:
+            parts.append(delta.text)
+            ids += delta.token_ids
             if delta.text:
                 chunk = chat_chunk(rid, created, model, {"content": delta.text}, None) if parsed.chat \
                     else completion_chunk(rid, created, model, delta.text, None)
@@ -187,6 +200,7 @@ class Frontend:
             err = APIError(500, delta.error or "the request failed", type_="server_error")
             await response.write(_sse(err.body()))
         else:
+            self._remember(parsed, "".join(parts), ids, delta.finish_reason)
             final = chat_chunk(rid, created, model, {}, delta.finish_reason) if parsed.chat \
                 else completion_chunk(rid, created, model, "", delta.finish_reason)
             await response.write(_sse(final))

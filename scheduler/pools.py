@@ -6,11 +6,11 @@ from collections import deque
 
 
 class SlotPool:
-    """State slots ``[0, n)``: a running request holds one; checkpoints hold the rest."""
+    """State slots ``[start, start + n)``: request slots, or prefix-cache checkpoint slots."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, start: int = 0):
         self.total = num_slots
-        self._free = deque(range(num_slots))
+        self._free = deque(range(start, start + num_slots))
 
     @property
     def num_free(self) -> int:

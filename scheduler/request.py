@@ -35,9 +35,19 @@ class Request:
     # Planned prompt forwards [start, end) and the positions where state is checkpointed.
     chunks: list[tuple[int, int]] = field(default_factory=list)
     next_chunk: int = 0
-    # Planned exports: prompt position -> destination slot.
+    # Planned state exports not yet written: position -> destination checkpoint slot.
     exports: dict[int, int] = field(default_factory=dict)
+    # Prefix-cache bookkeeping.
+    restore: object | None = None  # the locked Checkpoint restored by the first forward
+    copies: list[list[int]] = field(default_factory=list)  # [src, dst] slot copies for the first forward
+    branch: int = 0  # prompt tokens already cached as KV pages when admitted
+    indexed_pages: int = 0
+    index_key: bytes = b""
+    rolling_slot: int | None = None  # end-of-request checkpoint, rewritten at each aligned position
+    rolling_pos: int | None = None
+    checkpoints_written: list[int] = field(default_factory=list)
     forwards: int = 0
+    prefill_forwards: int = 0
     in_flight: bool = False
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
     abort_reason: str | None = None

@@ -1,4 +1,4 @@
-"""Continuous batching: admission, chunk planning, one ``Batch`` per turn, finishing and freeing.
+"""Continuous batching: admission, checkpoint planning, one ``Batch`` per turn, finishing and freeing.
 
 The scheduler never touches a tensor. It is driven by three calls: ``add_request`` / ``abort``
 when messages arrive, ``schedule`` to produce the next ``Batch``, and ``process_result`` with the
@@ -17,7 +17,9 @@ from ..args import ServerArgs
 from ..config import ModelConfig
 from ..messages import Batch, Detokenize, GenerateReq, Plan, PromptAdmitted, SchedulerStats, SegmentSpec, Usage
 from ..sizing import PoolSizes
+from .checkpoint_plan import CheckpointPlan, plan_prompt
 from .pools import PagePool, SlotPool
+from .prefix_cache import ROOT, PrefixCache
 from .request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -33,14 +35,21 @@ class Scheduler:
         self.emit = emit
         self.pages = PagePool(sizes.num_pages)
         self.slots = SlotPool(sizes.request_slots)
+        self.counters: dict[str, int] = {
+            "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
+            "forwards": 0, "prefill_forwards": 0, "cache_queries": 0, "cache_hits": 0, "cached_tokens": 0,
+            "checkpoints_written": 0, "checkpoints_evicted": 0, "pages_evicted": 0, "request_forwards": 0,
+        }
+        self.cache: PrefixCache | None = None
+        if not args.disable_prefix_cache:
+            self.cache = PrefixCache(
+                self.pages, SlotPool(sizes.checkpoint_slots, start=sizes.request_slots), sizes.page_size,
+                args.checkpoint_align, needs_state=bool(config.linear_layers or config.ple_layers),
+                counters=self.counters)
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
         self.batch_id = 0
-        self.counters: dict[str, int] = {
-            "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
-            "forwards": 0,
-        }
 
     # ---- inbound ------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq, want_logits: bool = False) -> None:
@@ -95,12 +104,10 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         self._admit()
         segments: list[SegmentSpec] = []
+        copies: list[list[int]] = []
         for req in self.running.values():
             if req.prefill_done and not req.in_flight:
-                segments.append(SegmentSpec(
-                    rid=req.rid, slot=req.slot, start=req.num_computed, token_ids=[req.output[-1]],
-                    pages=req.pages, sample=True, sampling=req.sampling, sample_index=len(req.output),
-                ))
+                segments.append(self._decode_segment(req))
         budget = self.args.max_prefill_length or float("inf")
         used = 0
         for req in self.running.values():
@@ -109,20 +116,43 @@ class Scheduler:
             start, end = req.chunks[req.next_chunk]
             if used and used + (end - start) > budget:
                 break
+            exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
             last = end == req.prompt_len
+            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.want_logits:
+                slot = self._rolling_slot(req)
+                if slot is not None:
+                    exports.append([end - start, slot])
             segments.append(SegmentSpec(
                 rid=req.rid, slot=req.slot, start=start, token_ids=req.prompt[start:end], pages=req.pages,
-                sample=last and not req.want_logits, sampling=req.sampling, sample_index=0,
-                exports=[[pos - start, slot] for pos, slot in req.exports.items() if start < pos <= end],
+                sample=last and not req.want_logits, sampling=req.sampling, sample_index=0, exports=exports,
                 want_logits=req.want_logits,
             ))
+            copies += req.copies
+            req.copies = []
             used += end - start
         if not segments:
             return None
         for seg in segments:
             self.requests[seg.rid].in_flight = True
         self.batch_id += 1
-        return Batch(batch_id=self.batch_id, segments=segments)
+        return Batch(batch_id=self.batch_id, segments=segments, copies=copies)
+
+    def _decode_segment(self, req: Request) -> SegmentSpec:
+        start = req.num_computed
+        exports = []
+        # Keep an end-of-request checkpoint at the last aligned position the decode passes.
+        if self.cache is not None and (start + 1) % self.args.checkpoint_align == 0:
+            slot = self._rolling_slot(req)
+            if slot is not None:
+                exports.append([1, slot])
+        return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=req.pages,
+                           sample=True, sampling=req.sampling, sample_index=len(req.output), exports=exports)
+
+    def _rolling_slot(self, req: Request) -> int | None:
+        if req.rolling_slot is None and self.cache.needs_state:
+            req.rolling_slot = self.cache.alloc_checkpoint_slot()
+        req.rolling_pos = None  # being rewritten: valid again once this forward completes
+        return req.rolling_slot if self.cache.needs_state else None
 
     def process_result(self, batch: Batch, token_ids: list[int]) -> None:
         self.counters["forwards"] += 1
@@ -132,9 +162,16 @@ class Scheduler:
                 continue
             req.in_flight = False
             req.forwards += 1
-            req.num_computed = seg.start + len(seg.token_ids)
-            if not (req.prefill_done):
+            end = seg.start + len(seg.token_ids)
+            req.num_computed = end
+            if not req.prefill_done:
                 req.next_chunk += 1
+                req.prefill_forwards += 1
+                self.counters["prefill_forwards"] += 1
+            if req.restore is not None:  # the first forward has copied the checkpoint
+                self.cache.unlock(req.restore)
+                req.restore = None
+            self._index(req, seg, end)
             if req.abort_reason is not None:
                 self._finish(req, req.abort_reason)
                 continue
@@ -155,6 +192,24 @@ class Scheduler:
             else:
                 self._finish(req, reason, new_tokens=[tok])
 
+    def _index(self, req: Request, seg: SegmentSpec, end: int) -> None:
+        """Publish what the forward just wrote: full pages, then completed checkpoints."""
+        if self.cache is None:
+            return
+        tokens = req.all_tokens
+        req.indexed_pages, req.index_key = self.cache.insert_pages(
+            tokens, req.pages, end, req.indexed_pages, req.index_key or ROOT)
+        for offset, slot in seg.exports:
+            pos = seg.start + offset
+            if slot == req.rolling_slot:
+                req.rolling_pos = pos
+                continue
+            req.exports.pop(pos, None)
+            if self.cache.insert_checkpoint(tokens, pos, slot):
+                req.checkpoints_written.append(pos)
+            else:
+                self.cache.slots.free(slot)
+
     def fail_batch(self, batch: Batch, error: str) -> None:
         """The executor could not run ``batch``: every request in it ends with an error."""
         for seg in batch.segments:
@@ -163,62 +218,123 @@ class Scheduler:
                 req.in_flight = False
                 self._finish(req, "error", error=error)
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- admission ----------------------------------------------------------------------------
     def _pages_for(self, positions: int) -> int:
         return -(-positions // self.sizes.page_size)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
-            need = self._pages_for(req.max_positions())
-            if self.slots.num_free == 0 or self.pages.num_free < need:
+            if self.slots.num_free == 0 or not self._take_memory(req):
                 break
             self.waiting.popleft()
             req.slot = self.slots.alloc()
-            req.pages = self.pages.alloc(need)
             req.status = Status.RUNNING
-            req.cached_tokens = 0
-            req.num_computed = 0
-            self._plan(req)
+            if req.restore is not None:
+                req.copies = [[req.restore.slot, req.slot]]
+            plan = self._plan(req)
             self.running[req.rid] = req
             self.counters["prompt_tokens"] += req.prompt_len
             self.emit(PromptAdmitted(
                 rid=req.rid, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
                 plan=Plan(mode="chunked", chunks=[list(c) for c in req.chunks],
-                          checkpoints=sorted(req.exports), reason=self._plan_reason(req)),
+                          checkpoints=plan.checkpoints, reason=plan.reason),
             ))
 
-    def _plan(self, req: Request) -> None:
-        step = self.args.max_prefill_length or req.prompt_len
-        bounds = list(range(req.cached_tokens, req.prompt_len, step)) + [req.prompt_len]
-        req.chunks = list(zip(bounds[:-1], bounds[1:]))
-        req.next_chunk = 0
+    def _take_memory(self, req: Request) -> bool:
+        """Match the prefix cache and take the request's pages; ``False`` (nothing taken) to wait."""
+        need = self._pages_for(req.max_positions())
+        if self.cache is None or req.want_logits:
+            pages = self.pages.alloc(need)
+            if pages is None:
+                return False
+            req.pages, req.cached_tokens = pages, 0
+            return True
+        match = self.cache.match(req.prompt)
+        fresh = need - len(match.pages)
+        in_lru = sum(1 for p in match.pages if p in self.cache.evictable)
+        if self.cache.available_pages() - in_lru < fresh:
+            return False
+        self.counters["cache_queries"] += 1
+        self.cache.acquire(match)
+        req.pages = match.pages + self.cache.alloc_pages(fresh)
+        req.cached_tokens = match.tokens
+        req.num_computed = match.tokens
+        req.restore = match.checkpoint
+        req.indexed_pages = len(match.pages)
+        req.index_key = self.cache.key_of[match.pages[-1]] if match.pages else ROOT
+        req.branch = match.page_tokens
+        if match.tokens:
+            self.counters["cache_hits"] += 1
+            self.counters["cached_tokens"] += match.tokens
+        return True
 
-    def _plan_reason(self, req: Request) -> str:
-        if len(req.chunks) == 1:
-            return "prompt fits one forward"
-        return f"chunked by --max-prefill-length {self.args.max_prefill_length}"
+    def _plan(self, req: Request) -> CheckpointPlan:
+        cache = self.cache if not req.want_logits else None
+        plan = plan_prompt(
+            prompt_len=req.prompt_len, cached=req.cached_tokens, max_chunk=self.args.max_prefill_length,
+            align=self.args.checkpoint_align, coalesce=self.args.prefill_coalesce,
+            checkpoint=cache is not None and cache.needs_state, branch=req.branch,
+        )
+        req.chunks, req.next_chunk = plan.chunks, 0
+        for pos in plan.checkpoints:
+            slot = cache.alloc_checkpoint_slot()
+            if slot is not None:
+                req.exports[pos] = slot
+        if len(req.exports) != len(plan.checkpoints):
+            plan.checkpoints = sorted(req.exports)
+            plan.reason += "; no free checkpoint slot"
+        return plan
 
+    # ---- ending -------------------------------------------------------------------------------
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
                 error: str | None = None) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
+        if self.cache is not None:
+            self._release_cache_state(req, publish=reason in ("stop", "length"))
         if req.slot is not None:
             self.slots.free(req.slot)
             req.slot = None
         if req.pages:
-            self.pages.decref(req.pages)
+            if self.cache is not None:
+                self.cache.release_pages(req.pages)
+            else:
+                self.pages.decref(req.pages)
             req.pages = []
         self.running.pop(req.rid, None)
         self.requests.pop(req.rid, None)
         key = "requests_aborted" if reason in ("abort", "error") else "requests_finished"
         self.counters[key] += 1
+        self.counters["request_forwards"] += req.forwards
+        if self.args.enable_cache_report:
+            logger.info(
+                "cache report rid=%s prompt_tokens=%d cached_tokens=%d computed_tokens=%d checkpoints_written=%s "
+                "prefill_forwards=%d finish=%s", req.rid, req.prompt_len, req.cached_tokens,
+                max(0, min(req.num_computed, req.prompt_len) - req.cached_tokens), req.checkpoints_written,
+                req.prefill_forwards, reason)
         self.emit(Detokenize(
             rid=req.rid, token_ids=new_tokens or [], finished=True, finish_reason=reason,
             usage=Usage(prompt_tokens=req.prompt_len, completion_tokens=len(req.output),
                         cached_tokens=req.cached_tokens),
             error=error, error_status=500 if error is not None else None,
         ))
+
+    def _release_cache_state(self, req: Request, publish: bool) -> None:
+        cache = self.cache
+        if req.restore is not None:
+            cache.unlock(req.restore)
+            req.restore = None
+        for slot in req.exports.values():  # planned but never written
+            cache.slots.free(slot)
+        req.exports.clear()
+        if req.rolling_slot is not None:
+            if publish and req.rolling_pos is not None and cache.insert_checkpoint(
+                    req.all_tokens, req.rolling_pos, req.rolling_slot):
+                req.checkpoints_written.append(req.rolling_pos)
+            else:
+                cache.slots.free(req.rolling_slot)
+            req.rolling_slot = None
 
     def _fail(self, rid: str, error: str, prompt_len: int) -> None:
         self.counters["requests_aborted"] += 1
@@ -227,10 +343,13 @@ class Scheduler:
                              error_status=400))
 
     def stats(self) -> SchedulerStats:
+        cached_pages = self.cache.cached_pages if self.cache else 0
+        cached_slots = self.cache.cached_slots if self.cache else 0
+        ckpt_used = (self.cache.slots.total - self.cache.slots.num_free) if self.cache else 0
         return SchedulerStats(
             running=len(self.running), waiting=len(self.waiting),
-            kv_pages_in_use=self.pages.total - self.pages.num_free, kv_pages_cached=0,
+            kv_pages_in_use=self.pages.total - self.pages.num_free - cached_pages, kv_pages_cached=cached_pages,
             kv_pages_total=self.pages.total,
-            state_slots_in_use=self.slots.total - self.slots.num_free, state_slots_cached=0,
-            state_slots_total=self.slots.total, counters=dict(self.counters),
+            state_slots_in_use=self.slots.total - self.slots.num_free + ckpt_used - cached_slots,
+            state_slots_cached=cached_slots, state_slots_total=self.sizes.num_slots, counters=dict(self.counters),
         )

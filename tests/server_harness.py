@@ -130,3 +130,44 @@ class Server:
             alive = [p for p in children if os.path.exists(f"/proc/{p}") and "tidal" in cmdline(p)]
             time.sleep(0.05)
         return alive
+
+
+class Tap:
+    """Runs ``tidal tap`` and collects its JSON lines per request id, in a background thread."""
+
+    def __init__(self, addr: str):
+        import threading
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "tap", "--connect", addr],
+                                     stdout=subprocess.PIPE, text=True)
+        self.lines: list[dict] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        time.sleep(1.0)  # let the subscription reach the publisher
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._lock:
+                self.lines.append(json.loads(line))
+
+    def messages(self, rid: str) -> list[dict]:
+        with self._lock:
+            return [m for m in self.lines if m.get("rid") == rid]
+
+    def wait_finished(self, rid: str, timeout: float = 60.0) -> tuple[dict, list[int], dict]:
+        """``(PromptAdmitted, all token ids, final Detokenize)`` of ``rid``."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            msgs = self.messages(rid)
+            final = [m for m in msgs if m["type"] == "Detokenize" and m.get("finished")]
+            if final:
+                admitted = [m for m in msgs if m["type"] == "PromptAdmitted"]
+                ids = [t for m in msgs if m["type"] == "Detokenize" for t in m.get("token_ids", [])]
+                return (admitted[0] if admitted else None), ids, final[0]
+            time.sleep(0.02)
+        raise TimeoutError(f"no finished Detokenize for {rid} on the tap")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()

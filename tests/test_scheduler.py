@@ -32,7 +32,7 @@ def req(rid, n, max_tokens=4, **kw):
 
 
 def test_plan_chunks_and_prefill_budget(make):
-    sched, events = make(max_prefill_length=100, max_running_requests=4)
+    sched, events = make(max_prefill_length=100, max_running_requests=4, disable_prefix_cache=True)
     sched.add_request(req("a", 250))
     sched.add_request(req("b", 30))
     batch = sched.schedule()
@@ -40,6 +40,7 @@ def test_plan_chunks_and_prefill_budget(make):
     assert admitted["a"].plan.chunks == [[0, 100], [100, 200], [200, 250]]
     assert admitted["b"].plan.chunks == [[0, 30]]
     assert admitted["a"].plan.mode == "chunked" and admitted["a"].cached_tokens == 0
+    assert admitted["a"].plan.checkpoints == []
     # Turn 1: only a's first chunk fits the 100-token budget.
     assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 100)]
     fake_run(sched, batch)

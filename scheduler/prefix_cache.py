@@ -1,0 +1,188 @@
+"""Prefix cache over token ids for hybrid state.
+
+KV pages (K, V and QSA index keys) can be shared at any page boundary, but the recurrent state of
+GDN layers, their conv windows, the PLE conv windows and the n-gram context exist only where the
+executor was told to save them. So a cached prefix is usable only up to a *checkpoint*: a state
+slot holding the complete state at an aligned position whose pages are all cached.
+
+Pages are content-addressed by a hash chain over page-sized blocks of token ids; a checkpoint is
+keyed by the chain hash at its position. Pages a request no longer holds stay cached until LRU
+eviction needs them; checkpoints not locked by a restoring request are evicted the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .pools import PagePool, SlotPool
+
+ROOT = b"tidal-prefix-root"
+
+
+def chain_hashes(tokens: list[int], page_size: int, upto_pages: int, start: bytes = ROOT,
+                 first_page: int = 0) -> list[bytes]:
+    """Hashes of pages ``first_page .. upto_pages - 1``; ``start`` is the hash before ``first_page``."""
+    out, h = [], start
+    for i in range(first_page, upto_pages):
+        block = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
+        h = hashlib.blake2b(h + block, digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class Checkpoint:
+    key: bytes  # chain hash at `position`
+    position: int
+    slot: int
+    page_keys: list[bytes]  # the pages it stands on (all must be cached for a hit)
+    locks: int = 0
+
+
+@dataclass
+class Match:
+    tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+    # Tokens covered by cached pages, checkpoint or not: where this prompt branches off a cached one.
+    page_tokens: int = 0
+
+
+class PrefixCache:
+    def __init__(self, pages: PagePool, checkpoint_slots: SlotPool, page_size: int, align: int,
+                 needs_state: bool, counters: dict[str, int]):
+        self.pages, self.slots = pages, checkpoint_slots
+        self.page_size, self.align = page_size, align
+        self.needs_state = needs_state
+        self.counters = counters
+        self.page_of: dict[bytes, int] = {}  # chain hash -> page id
+        self.key_of: dict[int, bytes] = {}  # page id -> chain hash
+        # Cached pages no request holds, least recently used first.
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.checkpoints: dict[bytes, Checkpoint] = {}
+        self.idle_checkpoints: OrderedDict[bytes, None] = OrderedDict()
+
+    # ---- accounting ---------------------------------------------------------------------------
+    @property
+    def cached_pages(self) -> int:
+        return len(self.evictable)
+
+    @property
+    def cached_slots(self) -> int:
+        return len(self.idle_checkpoints)
+
+    def available_pages(self) -> int:
+        return self.pages.num_free + len(self.evictable)
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def match(self, tokens: list[int]) -> Match:
+        """The longest cached prefix ending at a live checkpoint, leaving >= 1 token to compute."""
+        limit = len(tokens) - 1
+        keys = chain_hashes(tokens, self.page_size, limit // self.page_size)
+        pages: list[int] = []
+        for key in keys:
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        page_tokens = len(pages) * self.page_size
+        if not self.needs_state:
+            return Match(tokens=page_tokens, pages=pages, page_tokens=page_tokens)
+        per_ckpt = self.align // self.page_size
+        for n in range(len(pages) // per_ckpt * per_ckpt, 0, -per_ckpt):
+            ckpt = self.checkpoints.get(keys[n - 1])
+            if ckpt is not None:
+                return Match(tokens=n * self.page_size, pages=pages[:n], checkpoint=ckpt, page_tokens=page_tokens)
+        return Match(page_tokens=page_tokens)
+
+    def acquire(self, match: Match) -> None:
+        """A request takes the matched pages (one reference each) and locks the checkpoint."""
+        for page in match.pages:
+            self.evictable.pop(page, None)
+        self.pages.incref(match.pages)
+        if match.checkpoint is not None:
+            ckpt = match.checkpoint
+            ckpt.locks += 1
+            self.idle_checkpoints.pop(ckpt.key, None)
+
+    def unlock(self, ckpt: Checkpoint) -> None:
+        ckpt.locks -= 1
+        if ckpt.locks == 0 and ckpt.key in self.checkpoints:
+            self.idle_checkpoints[ckpt.key] = None
+            self.idle_checkpoints.move_to_end(ckpt.key)
+
+    # ---- allocation with eviction -------------------------------------------------------------
+    def alloc_pages(self, count: int) -> list[int] | None:
+        if count > self.available_pages():
+            return None
+        while self.pages.num_free < count:
+            self._evict_page()
+        return self.pages.alloc(count)
+
+    def _evict_page(self) -> None:
+        page, _ = self.evictable.popitem(last=False)
+        key = self.key_of.pop(page)
+        del self.page_of[key]
+        self.pages.decref([page])
+        self.counters["pages_evicted"] += 1
+
+    def alloc_checkpoint_slot(self) -> int | None:
+        slot = self.slots.alloc()
+        if slot is not None:
+            return slot
+        # Prefer checkpoints whose pages are gone (unreachable), then the least recently used.
+        victim = next((k for k in self.idle_checkpoints
+                       if any(pk not in self.page_of for pk in self.checkpoints[k].page_keys)), None)
+        if victim is None and self.idle_checkpoints:
+            victim = next(iter(self.idle_checkpoints))
+        if victim is None:
+            return None
+        self._drop_checkpoint(victim)
+        return self.slots.alloc()
+
+    def _drop_checkpoint(self, key: bytes) -> None:
+        ckpt = self.checkpoints.pop(key)
+        self.idle_checkpoints.pop(key, None)
+        self.slots.free(ckpt.slot)
+        self.counters["checkpoints_evicted"] += 1
+
+    # ---- insertion ----------------------------------------------------------------------------
+    def insert_pages(self, tokens: list[int], pages: list[int], computed: int, start_page: int,
+                     start_key: bytes) -> tuple[int, bytes]:
+        """Index the request's full pages ``start_page ..`` whose KV is written (``< computed``).
+
+        Returns the next page to index and its parent hash. A page whose content is already cached
+        under another id stays private to the request.
+        """
+        full = computed // self.page_size
+        keys = chain_hashes(tokens, self.page_size, full, start_key, start_page)
+        for i, key in zip(range(start_page, full), keys):
+            page = pages[i]
+            if key not in self.page_of and page not in self.key_of:
+                self.page_of[key] = page
+                self.key_of[page] = key
+                self.pages.incref([page])  # the cache's own reference
+        return full, keys[-1] if keys else start_key
+
+    def insert_checkpoint(self, tokens: list[int], position: int, slot: int) -> bool:
+        """Publish the state in ``slot`` as the checkpoint at ``position``; ``False`` frees nothing
+        and means the caller keeps (and must free) the slot."""
+        page_keys = chain_hashes(tokens, self.page_size, position // self.page_size)
+        key = page_keys[-1]
+        if key in self.checkpoints or any(k not in self.page_of for k in page_keys):
+            return False
+        self.checkpoints[key] = Checkpoint(key=key, position=position, slot=slot, page_keys=page_keys)
+        self.idle_checkpoints[key] = None
+        self.counters["checkpoints_written"] += 1
+        return True
+
+    def release_pages(self, pages: list[int]) -> None:
+        """A request lets go of its pages; cached ones become evictable, deepest first."""
+        for page in reversed(pages):
+            if page in self.key_of and self.pages.refs[page] == 2:
+                self.evictable[page] = None
+                self.evictable.move_to_end(page)
+        self.pages.decref(pages)

@@ -1,0 +1,101 @@
+"""Checkpoint planning and the prefix cache without processes."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal import LLM
+from tidal.scheduler.checkpoint_plan import plan_prompt
+from tidal.scheduler.pools import PagePool, SlotPool
+from tidal.scheduler.prefix_cache import ROOT, PrefixCache
+
+
+def test_plan_align_mode_cuts_at_the_checkpoint():
+    p = plan_prompt(1000, cached=0, max_chunk=8192, align=64, coalesce=False, checkpoint=True)
+    assert p.chunks == [(0, 960), (960, 1000)] and p.checkpoints == [960]
+    p = plan_prompt(1077, cached=960, max_chunk=8192, align=64, coalesce=False, checkpoint=True)
+    assert p.chunks == [(960, 1024), (1024, 1077)] and p.checkpoints == [1024]
+
+
+def test_plan_coalesced_keeps_one_forward():
+    p = plan_prompt(1000, cached=0, max_chunk=8192, align=64, coalesce=True, checkpoint=True)
+    assert p.chunks == [(0, 1000)] and p.checkpoints == [960]
+    p = plan_prompt(1000, cached=0, max_chunk=300, align=64, coalesce=True, checkpoint=True)
+    assert p.chunks == [(0, 300), (300, 600), (600, 900), (900, 1000)]
+
+
+def test_plan_limits_and_branch_point():
+    # A checkpoint never sits at the prompt end (a hit must leave a token) nor at/below the hit.
+    assert plan_prompt(1024, 0, None, 64, False, True).checkpoints == [960]
+    assert plan_prompt(50, 0, None, 64, False, True).checkpoints == []
+    assert plan_prompt(1000, 960, None, 64, False, True).checkpoints == []
+    # 300 tokens shared with a cached prompt: checkpoint its last aligned position too.
+    p = plan_prompt(330, 0, None, 64, False, True, branch=300)
+    assert p.checkpoints == [256, 320] and p.chunks == [(0, 256), (256, 320), (320, 330)]
+    assert plan_prompt(330, 0, None, 64, False, False).checkpoints == []
+
+
+def _cache(pages=8, slots=2, page_size=4, align=8):
+    counters = {"pages_evicted": 0, "checkpoints_written": 0, "checkpoints_evicted": 0}
+    return PrefixCache(PagePool(pages), SlotPool(slots, start=10), page_size, align, True, counters), counters
+
+
+def test_match_needs_pages_and_a_checkpoint():
+    cache, counters = _cache()
+    tokens = list(range(1, 20))
+    pages = cache.alloc_pages(5)
+    cache.insert_pages(tokens, pages, computed=19, start_page=0, start_key=ROOT)
+    assert cache.match(tokens).tokens == 0 and cache.match(tokens).page_tokens == 16
+    slot = cache.alloc_checkpoint_slot()
+    assert cache.insert_checkpoint(tokens, 16, slot)
+    m = cache.match(tokens + [99])
+    assert m.tokens == 16 and m.pages == pages[:4] and m.checkpoint.slot == slot
+    assert cache.match(tokens[:16]).tokens == 0  # the checkpoint at 16 would leave no token to compute
+    assert cache.match([7] + tokens).tokens == 0  # another prefix
+    assert counters["checkpoints_written"] == 1
+
+
+def test_release_evicts_deepest_first_and_locked_checkpoints_stay():
+    cache, counters = _cache(pages=6, slots=1)
+    tokens = list(range(100, 124))
+    pages = cache.alloc_pages(6)
+    cache.insert_pages(tokens, pages, computed=24, start_page=0, start_key=ROOT)
+    slot = cache.alloc_checkpoint_slot()
+    cache.insert_checkpoint(tokens, 16, slot)
+    cache.release_pages(pages)
+    assert cache.cached_pages == 6 and cache.pages.num_free == 0
+    m = cache.match(tokens)
+    cache.acquire(m)  # a request restores the checkpoint at 16: its pages and slot are locked
+    assert cache.alloc_checkpoint_slot() is None
+    got = cache.alloc_pages(2)
+    assert sorted(got) == sorted(pages[4:6])  # the deepest pages went first
+    assert counters["pages_evicted"] == 2
+    cache.unlock(m.checkpoint)
+    assert cache.alloc_checkpoint_slot() == slot and counters["checkpoints_evicted"] == 1
+
+
+def test_offline_continuation_hits_and_matches_uncached(tiny_checkpoint, device):
+    gen = torch.Generator().manual_seed(5)
+    cold = torch.randint(0, 248000, (1000,), generator=gen).tolist()
+    cont = cold + torch.randint(0, 248000, (77,), generator=gen).tolist()
+    for coalesce in (False, True):
+        llm = LLM(tiny_checkpoint, device=device, prefill_coalesce=coalesce)
+        llm.generate([cold], max_tokens=4, ignore_eos=True)
+        hit = llm.generate([cont], max_tokens=16, ignore_eos=True)[0]
+        assert llm.scheduler.counters["cached_tokens"] == 960
+    plain = LLM(tiny_checkpoint, device=device, disable_prefix_cache=True)
+    assert plain.generate([cont], max_tokens=16, ignore_eos=True)[0] == hit
+
+
+def test_attention_only_model_hits_at_page_boundaries(tmp_path, device):
+    from tidal.executor.presets import write_checkpoint
+
+    path = write_checkpoint("tiny", str(tmp_path / "attn"), seed=3, overrides=dict(
+        layer_types=["full_attention"] * 4, ple_layer_ids=[]))
+    prompt = list(range(5000, 5100))
+    llm = LLM(path, device=device)
+    llm.generate([prompt], max_tokens=4, ignore_eos=True)
+    hit = llm.generate([prompt + [7, 8, 9]], max_tokens=8, ignore_eos=True)[0]
+    assert llm.scheduler.counters["cached_tokens"] == 96  # every full page, no checkpoint needed
+    plain = LLM(path, device=device, disable_prefix_cache=True)
+    assert plain.generate([prompt + [7, 8, 9]], max_tokens=8, ignore_eos=True)[0] == hit
