@@ -13,7 +13,7 @@ is pickled.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 from msgspec import Struct
@@ -172,11 +172,11 @@ class HealthPing(Struct, tag="HealthPing"):
     nonce: int
 
 
-SchedulerInbound = Union[GenerateReq, AbortReq, BatchResult, ExecutorFailed, Shutdown, Ready]
-ExecutorInbound = Union[Batch, Shutdown]
-DetokenizerInbound = Union[DetokenizeInit, Detokenize, PromptAdmitted, SchedulerStats, Shutdown]
-FrontendInbound = Union[TextDelta, SchedulerStats, PromptAdmitted, Ready, ExecutorFailed, Shutdown]
-TapMessage = Union[PromptAdmitted, Detokenize]
+SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown | Ready
+ExecutorInbound = Batch | Shutdown
+DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | SchedulerStats | Shutdown
+FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | Ready | ExecutorFailed | Shutdown
+TapMessage = PromptAdmitted | Detokenize
 
 _encoder = msgspec.msgpack.Encoder()
 

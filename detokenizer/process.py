@@ -8,8 +8,20 @@ import zmq
 
 from ..args import ServerArgs
 from ..ipc import Publisher, Pull, Push
-from ..messages import (AbortReq, Detokenize, DetokenizeInit, DetokenizerInbound, FrontendInbound, PromptAdmitted,
-                        Ready, SchedulerInbound, SchedulerStats, Shutdown, TextDelta, Usage)
+from ..messages import (
+    AbortReq,
+    Detokenize,
+    DetokenizeInit,
+    DetokenizerInbound,
+    FrontendInbound,
+    PromptAdmitted,
+    Ready,
+    SchedulerInbound,
+    SchedulerStats,
+    Shutdown,
+    TextDelta,
+    Usage,
+)
 from ..tokenizer import Tokenizer, load_tokenizer
 from .incremental import IncrementalText
 

@@ -8,8 +8,16 @@ import logging
 import zmq.asyncio
 
 from ..ipc import AsyncPull, AsyncPush
-from ..messages import (AbortReq, ExecutorFailed, FrontendInbound, GenerateReq, Ready, SchedulerStats, Shutdown,
-                        TextDelta)
+from ..messages import (
+    AbortReq,
+    ExecutorFailed,
+    FrontendInbound,
+    GenerateReq,
+    Ready,
+    SchedulerStats,
+    Shutdown,
+    TextDelta,
+)
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,17 @@ from ..tokenizer import load_tokenizer
 from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
 from .metrics import Metrics
-from .protocol import (APIError, Limits, ParsedRequest, chat_chunk, completion_chunk, full_response, parse_chat,
-                       parse_completion, usage_chunk)
+from .protocol import (
+    APIError,
+    Limits,
+    ParsedRequest,
+    chat_chunk,
+    completion_chunk,
+    full_response,
+    parse_chat,
+    parse_completion,
+    usage_chunk,
+)
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 64 << 20

@@ -10,8 +10,17 @@ import zmq
 from ..args import ServerArgs
 from ..config import ModelConfig
 from ..ipc import Pull, Push
-from ..messages import (AbortReq, Batch, BatchResult, DetokenizeInit, ExecutorFailed, GenerateReq, Ready,
-                        SchedulerInbound, Shutdown)
+from ..messages import (
+    AbortReq,
+    Batch,
+    BatchResult,
+    DetokenizeInit,
+    ExecutorFailed,
+    GenerateReq,
+    Ready,
+    SchedulerInbound,
+    Shutdown,
+)
 from ..sizing import pool_sizes
 from .scheduler import Scheduler
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import Callable
+from collections.abc import Callable
 
 from ..args import ServerArgs
 from ..config import ModelConfig
