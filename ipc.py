@@ -67,6 +67,17 @@ class Pull(Generic[T]):
             return None
         return self.decode(self.sock.recv(copy=True))
 
+    def until_shutdown(self):
+        """Yield messages until a ``Shutdown`` arrives."""
+        from .messages import Shutdown
+
+        while True:
+            msg = self.recv()
+            if isinstance(msg, Shutdown):
+                return
+            if msg is not None:
+                yield msg
+
     def drain(self) -> list[T]:
         out = []
         while True:

@@ -18,7 +18,6 @@ from ..messages import (
     Ready,
     SchedulerInbound,
     SchedulerStats,
-    Shutdown,
     TextDelta,
     Usage,
 )
@@ -98,12 +97,7 @@ def run_detokenizer(args: ServerArgs, model_path: str) -> None:
                         tap.publish if tap else None)
     control.send(Ready(role="detokenizer"))
     logger.info("ready%s", f"; tap on {args.tap_addr}" if args.tap_addr else "")
-    while True:
-        msg = inbound.recv()
-        if msg is None:
-            continue
-        if isinstance(msg, Shutdown):
-            break
+    for msg in inbound.until_shutdown():
         if isinstance(msg, SchedulerStats):
             to_frontend.send(msg)
             continue

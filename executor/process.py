@@ -11,7 +11,7 @@ import zmq
 from ..args import ServerArgs
 from ..config import ModelConfig
 from ..ipc import Pull, Push
-from ..messages import Batch, BatchResult, ExecutorInbound, Ready, Shutdown
+from ..messages import Batch, BatchResult, ExecutorInbound, Ready
 from ..sizing import pool_sizes
 from .runner import build_runner
 
@@ -32,12 +32,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         "device": str(runner.device), "dtype": str(next(runner.model.parameters()).dtype).replace("torch.", ""),
         "kv_bytes_per_token": runner.kv.bytes_per_token(), "state_bytes_per_slot": runner.states.bytes_per_slot()}))
     logger.info("rank %d ready on %s", rank, runner.device)
-    while True:
-        msg = inbound.recv()
-        if msg is None:
-            continue
-        if isinstance(msg, Shutdown):
-            break
+    for msg in inbound.until_shutdown():
         assert isinstance(msg, Batch)
         try:
             out = runner.execute(msg)
