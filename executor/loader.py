@@ -52,27 +52,19 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(
                 torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
-    # Integer buffers (n-gram hashing constants) are derived from the config, on the device.
-    for full_name, _ in list(model.named_buffers()):
-        mod_name, _, name = full_name.rpartition(".")
-        layer = int(full_name.split(".")[2])
-        model.get_submodule(mod_name)._buffers[name] = ngram_buffer(config, layer, name).to(device)
+    # Integer buffers (n-gram hashing constants) were derived from the config on the CPU.
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = buf.to(device)
     model.eval()
     return model
 
 
 def ngram_buffer(config: ModelConfig, layer: int, name: str) -> torch.Tensor:
-    from ..kernels.ngram import layer_multipliers
+    """Buffer ``name`` of the PLE module of decoder layer ``layer``."""
+    from .layers.ple import hashing_constants
 
-    index = config.ple_layers.index(layer)
-    sizes = config.ngram_vocab_sizes(index)
-    if name == "layer_multipliers":
-        values = layer_multipliers(config.vocab_size, config.ngram_size, index, config.seed)
-    elif name == "ngram_heads_vocab_sizes":
-        values = sizes
-    else:
-        values = [sum(sizes[:i]) for i in range(len(sizes))]
-    return torch.tensor(values, dtype=torch.long)
+    return hashing_constants(config, config.ple_layers.index(layer))[name]
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,

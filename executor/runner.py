@@ -40,33 +40,29 @@ class ModelRunner:
         streams = self.model(fb)
         self._advance_ngram_context(fb, batch)
 
-        rows, owners = [], []
-        for i, (spec, seg) in enumerate(zip(batch.segments, fb.segments)):
+        # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for spec, seg in zip(batch.segments, fb.segments):
+            first = len(rows)
             if spec.want_logits:
                 rows.extend(range(seg.row0, seg.row0 + seg.length))
-                owners.extend([i] * seg.length)
             elif spec.sample:
                 rows.append(seg.row0 + seg.length - 1)
-                owners.append(i)
+            spans.append((first, len(rows)))
         out = RunnerOutput(token_ids=[-1] * len(batch.segments))
         if not rows:
             return out
         logits = self.model.logits(streams[torch.tensor(rows, device=self.device)]).float()
-        sample_rows, params, indices, targets = [], [], [], []
-        pos = 0
+        sampled = [i for i, spec in enumerate(batch.segments) if spec.sample]
         for i, spec in enumerate(batch.segments):
-            n = owners.count(i) if spec.want_logits else (1 if spec.sample else 0)
             if spec.want_logits:
-                out.logits[i] = logits[pos:pos + n]
-            if spec.sample:
-                sample_rows.append(pos + n - 1)
-                params.append(spec.sampling or GREEDY)
-                indices.append(spec.sample_index)
-                targets.append(i)
-            pos += n
-        if sample_rows:
-            ids = self.sampler(logits[torch.tensor(sample_rows, device=self.device)], params, indices)
-            for i, tok in zip(targets, ids):
+                out.logits[i] = logits[spans[i][0]:spans[i][1]]
+        if sampled:
+            last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
+            ids = self.sampler(logits[last_rows], [batch.segments[i].sampling or GREEDY for i in sampled],
+                               [batch.segments[i].sample_index for i in sampled])
+            for i, tok in zip(sampled, ids):
                 out.token_ids[i] = tok
         return out
 

@@ -14,6 +14,19 @@ from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 
 
+def hashing_constants(config: ModelConfig, ple_layer_index: int) -> dict[str, torch.Tensor]:
+    """The n-gram hashing buffers of one PLE layer, derived from the config (CPU, int64)."""
+    c = config
+    sizes = c.ngram_vocab_sizes(ple_layer_index)
+    return {
+        "layer_multipliers": torch.tensor(
+            layer_multipliers(c.vocab_size, c.ngram_size, ple_layer_index, c.seed), dtype=torch.long, device="cpu"),
+        "ngram_heads_vocab_sizes": torch.tensor(sizes, dtype=torch.long, device="cpu"),
+        "ngram_heads_offsets": torch.tensor([sum(sizes[:i]) for i in range(len(sizes))], dtype=torch.long,
+                                            device="cpu"),
+    }
+
+
 class NGramEmbedding(nn.Module):
     """One PLE layer's hashed n-gram table (``--ple-backend gpu``: the table in device memory).
 
@@ -26,12 +39,8 @@ class NGramEmbedding(nn.Module):
         c = config
         self.eos = c.ple_eos_id
         self.heads_per_ngram = c.heads_per_ngram
-        sizes = c.ngram_vocab_sizes(ple_layer_index)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.register_buffer("layer_multipliers", torch.tensor(
-            layer_multipliers(c.vocab_size, c.ngram_size, ple_layer_index, c.seed), dtype=torch.long))
-        self.register_buffer("ngram_heads_vocab_sizes", torch.tensor(sizes, dtype=torch.long))
-        self.register_buffer("ngram_heads_offsets", torch.tensor(offsets, dtype=torch.long))
+        for name, value in hashing_constants(c, ple_layer_index).items():
+            self.register_buffer(name, value)
         self.ngram_embedding = nn.Module()
         self.ngram_embedding.weight = nn.Parameter(
             torch.empty(c.ngram_table_rows(ple_layer_index), c.ple_embed_dim // c.ngram_heads), requires_grad=False
