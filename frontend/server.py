@@ -88,6 +88,9 @@ class Frontend:
             if e.status < 400:
                 raise
             return _error(APIError(e.status, e.reason or "error", type_="invalid_request_error"))
+        except Exception:  # a bug must not take the connection down without an answer
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return _error(APIError(500, "internal server error", type_="server_error"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):

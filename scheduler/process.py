@@ -76,14 +76,30 @@ class SchedulerLoop:
         timeout = 0 if (busy and self.in_flight is None) else 100
         first = self.inbound.recv(timeout_ms=timeout)
         for msg in ([first] if first is not None else []) + self.inbound.drain():
-            self.handle(msg)
+            try:
+                self.handle(msg)
+            except Exception:
+                self._recover(f"handling {type(msg).__name__}")
         if self.in_flight is None:
-            batch = self.scheduler.schedule()
+            try:
+                batch = self.scheduler.schedule()
+            except Exception:
+                self._recover("scheduling")
+                batch = None
             if batch is not None:
                 self.in_flight = batch
                 for sock in self.to_executors:
                     sock.send(batch)
         self._send_stats()
+
+    def _recover(self, what: str) -> None:
+        """A scheduler bug fails the requests it holds, not the process."""
+        logger.exception("scheduler error while %s; failing the requests in flight", what)
+        for rid in list(self.scheduler.requests):
+            try:
+                self.scheduler.abort(rid, "error")
+            except Exception:
+                logger.exception("could not abort %s", rid)
 
     def _send_stats(self) -> None:
         now = time.monotonic()
