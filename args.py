@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -40,13 +40,14 @@ class ServerArgs:
     api_key: str | None = None
     tap_addr: str | None = None
     run_dir: str | None = None
+    # ZeroMQ addresses; unset ones become ipc:// paths in the run directory. `executor_addr` may
+    # hold "{rank}" (one socket per executor).
     scheduler_addr: str | None = None
     executor_addr: str | None = None
-    result_addr: str | None = None
     detokenizer_addr: str | None = None
     frontend_addr: str | None = None
+    control_addr: str | None = None
     log_level: str = "info"
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         def need(cond: bool, flag: str, msg: str) -> None:
@@ -73,8 +74,19 @@ class ServerArgs:
              f"must be 'safetensors' or 'random', got {self.load_format!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("tap_addr", "scheduler_addr", "executor_addr", "detokenizer_addr", "frontend_addr",
+                     "control_addr"):
+            addr = getattr(self, name)
+            need(addr is None or addr.startswith(("ipc://", "tcp://")), name,
+                 f"must be an ipc:// or tcp:// address, got {addr!r}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              f"must be debug, info, warning or error, got {self.log_level!r}")
+
+    def executor_addrs(self) -> list[str]:
+        template = self.executor_addr or ""
+        if self.tp > 1 and "{rank}" not in template:
+            raise ArgsError(f"--executor-addr: must contain {{rank}} with --tp {self.tp}, got {template!r}")
+        return [template.replace("{rank}", str(rank)) for rank in range(self.tp)]
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
@@ -129,6 +141,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tap-addr", default=None, help="ZeroMQ address of the tap PUB socket")
+    for name in ("scheduler", "executor", "detokenizer", "frontend", "control"):
+        extra = " ('{rank}' is replaced by the executor's rank)" if name == "executor" else ""
+        p.add_argument(f"--{name}-addr", default=None,
+                       help=f"ZeroMQ address the {name} binds (ipc:// or tcp://; default: the run directory){extra}")
     p.add_argument("--run-dir", default=None)
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 

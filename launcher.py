@@ -63,17 +63,14 @@ def wire(args: ServerArgs, run_dir: str) -> ServerArgs:
     def ipc(name: str) -> str:
         return f"ipc://{os.path.join(run_dir, name)}"
 
-    extra = dict(args.extra)
-    extra.setdefault("control_addr", ipc("control"))
-    extra.setdefault("executor_addrs", [args.executor_addr.replace("{rank}", str(r)) if args.executor_addr
-                                        else ipc(f"executor-{r}") for r in range(args.tp)])
     return args.replace(
         run_dir=run_dir,
         scheduler_addr=args.scheduler_addr or ipc("scheduler"),
+        executor_addr=args.executor_addr or ipc("executor-{rank}"),
         detokenizer_addr=args.detokenizer_addr or ipc("detokenizer"),
         frontend_addr=args.frontend_addr or ipc("frontend"),
+        control_addr=args.control_addr or ipc("control"),
         tap_addr=args.tap_addr or ipc("tap"),
-        extra=extra,
     )
 
 
@@ -145,7 +142,7 @@ def serve(args: ServerArgs) -> int:
     os.chmod(run_dir, 0o700)
     args = wire(args, run_dir)
     ctx = zmq.Context()
-    control: Pull = Pull(ctx, args.extra["control_addr"], Ready | ExecutorFailed, bind=True)
+    control: Pull = Pull(ctx, args.control_addr, Ready | ExecutorFailed, bind=True)
     mesh = Mesh(args, model_path)
     stopping = {"signal": None}
 

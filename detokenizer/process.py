@@ -92,7 +92,7 @@ def run_detokenizer(args: ServerArgs, model_path: str) -> None:
     to_frontend: Push[FrontendInbound] = Push(ctx, args.frontend_addr)
     to_scheduler: Push[SchedulerInbound] = Push(ctx, args.scheduler_addr)
     tap = Publisher(ctx, args.tap_addr) if args.tap_addr else None
-    control: Push = Push(ctx, args.extra["control_addr"])
+    control: Push = Push(ctx, args.control_addr)
     detok = Detokenizer(load_tokenizer(model_path), to_frontend.send, to_scheduler.send,
                         tap.publish if tap else None)
     control.send(Ready(role="detokenizer"))

@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     ctx = zmq.Context()
-    inbound: Pull = Pull(ctx, args.extra["executor_addrs"][rank], ExecutorInbound, bind=True)
+    inbound: Pull = Pull(ctx, args.executor_addrs()[rank], ExecutorInbound, bind=True)
     results: Push = Push(ctx, args.scheduler_addr)
-    control: Push = Push(ctx, args.extra["control_addr"])
+    control: Push = Push(ctx, args.control_addr)
     config = ModelConfig.from_file(model_path)
     sizes = pool_sizes(args, config)
     if torch.device(args.resolved_device()).type == "cpu":

@@ -231,7 +231,7 @@ async def serve_frontend(args: ServerArgs, model_path: str) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     ctx = zmq.Context()
-    control = Push(ctx, args.extra["control_addr"])
+    control = Push(ctx, args.control_addr)
     control.send(Ready(role="frontend", info={"url": f"http://{args.host}:{args.port}"}))
     logger.info("listening on http://%s:%d", args.host, args.port)
     await asyncio.Event().wait()

@@ -39,8 +39,8 @@ class SchedulerLoop:
         self.ctx = zmq.Context()
         self.inbound: Pull = Pull(self.ctx, args.scheduler_addr, SchedulerInbound, bind=True)
         self.to_detok: Push = Push(self.ctx, args.detokenizer_addr)
-        self.to_executors = [Push(self.ctx, addr) for addr in args.extra["executor_addrs"]]
-        self.control: Push = Push(self.ctx, args.extra["control_addr"])
+        self.to_executors = [Push(self.ctx, addr) for addr in args.executor_addrs()]
+        self.control: Push = Push(self.ctx, args.control_addr)
         self.scheduler = Scheduler(args, config, self.sizes, self.to_detok.send)
         self.in_flight: Batch | None = None
         self._last_stats = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -257,3 +258,34 @@ def test_processes_are_named_and_sigterm_leaves_nothing(tiny_checkpoint):
     assert srv.proc.returncode == 0
     after = [d for d in os.listdir("/tmp") if d.startswith("tidal-") and not d.startswith("tidal-test")]
     assert len(after) < len(run_dirs) or not run_dirs
+
+
+def test_tcp_addresses(tiny_checkpoint):
+    from server_harness import Tap, free_port
+
+    addrs = {name: f"tcp://127.0.0.1:{free_port()}" for name in ("scheduler", "detokenizer", "frontend", "control")}
+    flags = [x for name, addr in addrs.items() for x in (f"--{name}-addr", addr)]
+    flags += ["--executor-addr", f"tcp://127.0.0.1:{free_port()}"]
+    srv = Server(tiny_checkpoint, *flags, api_key=None)
+    tcp_tap = None
+    try:
+        for addr in addrs.values():  # every role bound its tcp socket
+            host, port = addr.removeprefix("tcp://").split(":")
+            socket.create_connection((host, int(port)), timeout=2).close()
+        tcp_tap = Tap(srv.tap_addr)
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        _, ids, final = tcp_tap.wait_finished(body["id"].removeprefix("cmpl-"))
+        assert len(ids) == 3 and final["finish_reason"] == "length"
+    finally:
+        if tcp_tap:
+            tcp_tap.close()
+        assert srv.stop() == []
+
+
+def test_bad_flag_values_name_the_flag(tiny_checkpoint):
+    for flags, needle in ((["--tap-addr", "http://x"], "--tap-addr"), (["--page-size", "12"], "--page-size"),
+                          (["--max-running-requests", "0"], "--max-running-requests")):
+        out = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--model", tiny_checkpoint, *flags],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and needle in out.stderr
