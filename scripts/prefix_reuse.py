@@ -10,34 +10,11 @@ full time, cached tokens and whether the continuation's token ids agree across a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import Server, Tap  # noqa: E402
-
-
-def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, dict, str]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    first, usage, rid = None, None, None
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            rid = chunk["id"].removeprefix("cmpl-")
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                first = time.monotonic() - t0
-    return first, time.monotonic() - t0, usage, rid
+from server_harness import Server, Tap, stream_completion  # noqa: E402
 
 
 def main() -> None:
@@ -58,9 +35,9 @@ def main() -> None:
         srv = Server(ns.model, *flags, *arm_flags, api_key=None)
         tap = Tap(srv.tap_addr)
         try:
-            stream(srv.url, list(range(1, 65)), 4)  # warm-up
-            c_first, c_full, c_usage, _ = stream(srv.url, cold, ns.max_tokens)
-            w_first, w_full, w_usage, rid = stream(srv.url, cont, ns.max_tokens)
+            stream_completion(srv.url, list(range(1, 65)), 4)  # warm-up
+            c_first, c_full, c_usage, _ = stream_completion(srv.url, cold, ns.max_tokens)
+            w_first, w_full, w_usage, rid = stream_completion(srv.url, cont, ns.max_tokens)
             ids[name] = tap.wait_finished(rid)[1]
             rows.append((name, c_first, w_first, w_full, w_usage["prompt_tokens_details"]["cached_tokens"]))
         finally:

@@ -45,20 +45,21 @@ def cmdline(pid: int) -> str:
 
 
 class Server:
-    def __init__(self, model: str, *flags: str, api_key: str | None = API_KEY):
+    def __init__(self, model: str, *flags: str, api_key: str | None = API_KEY, device: str = "cpu",
+                 ready_timeout: float = 120.0):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tidal-test-")
         self.tap_addr = f"ipc://{self.dir}/tap"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "tidal.cli", "serve", "--model", model, "--port", str(self.port),
                "--served-model-name", "tiny",
-               "--tap-addr", self.tap_addr, "--device", "cpu", *flags]
+               "--tap-addr", self.tap_addr, "--device", device, *flags]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(os.path.join(self.dir, "serve.log"), "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.wait_ready()
+        self.wait_ready(ready_timeout)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.time() + timeout
@@ -171,3 +172,28 @@ class Tap:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait()
+
+
+def stream_completion(url: str, prompt, max_tokens: int, model: str = "tiny") -> tuple[float, float, dict, str]:
+    """Stream one greedy completion (ignore_eos); returns (first-text s, full s, usage, rid).
+
+    First text is the first SSE event with a non-empty ``choices[].text``, timed from just before
+    the HTTP request, as the seeds' protocol measures it.
+    """
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first, usage, rid = None, None, None
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"].removeprefix("cmpl-")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.monotonic() - t0
+    return first, time.monotonic() - t0, usage, rid
