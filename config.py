@@ -68,7 +68,7 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     attention_bias: bool = False
     tie_word_embeddings: bool = False
-    rope_theta: float = 10_000_000.0
+    rope_theta: float = 10_000.0  # transformers' default when config.json names none
     partial_rotary_factor: float = 1.0
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128

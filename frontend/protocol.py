@@ -33,6 +33,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "metadata", "store"}
 MAX_STOP_STRINGS = 16
+MESSAGE_FIELDS = {"role", "content", "name"}
+# Message fields accepted only when empty (no tool calls, no refusals, no audio).
+NEUTRAL_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio", "tool_call_id", "reasoning_content"}
 
 
 class APIError(Exception):
@@ -143,6 +146,8 @@ def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
             raise bad("stream_options", "stream_options is only allowed when stream is true")
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise bad("stream_options", "stream_options may only contain include_usage")
+        if options.get("continuous_usage_stats") not in (None, False):
+            raise bad("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported")
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad("stream_options.include_usage", "include_usage must be a boolean")
@@ -232,6 +237,9 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "each message must be an object")
+        for key, value in m.items():
+            if key not in MESSAGE_FIELDS and not (key in NEUTRAL_MESSAGE_FIELDS and not value):
+                raise bad(f"messages[{i}].{key}", f"unsupported message field {key!r}")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}].role", f"unsupported role {role!r}")

@@ -71,6 +71,17 @@ HF_CONFIGS = {
         ngram_vocab_size_base=101, split_ngram_parts=3, eos_token_id=1500, output_gate_type="sigmoid",
         indexer_n_heads=3, indexer_kv_heads=1, indexer_head_dim=24, indexer_budget=48, indexer_compress_ratio=16,
     ),
+    "hf_kernels_tied": dict(
+        vocab_size=800, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=16, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=6, moe_intermediate_size=16, shared_expert_intermediate_size=8, num_experts=4,
+        num_experts_per_tok=1, hc_count=4, hc_lowrank=4, ple_layer_ids=[3], ple_embed_dim=16, ngram_size=2,
+        heads_per_ngram=2, ple_conv_kernel_size=2, ngram_vocab_size_base=53, split_ngram_parts=1,
+        eos_token_id=[700, 701], tie_word_embeddings=True, norm_topk_prob=False,
+        indexer_n_heads=1, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=40, indexer_compress_ratio=20,
+    ),
 }
 
 

@@ -24,7 +24,8 @@ def tidal_variant(tmp_path_factory) -> str:
     ))
 
 
-@pytest.fixture(scope="module", params=["tidal_tiny", "hf_hc2_gqa4", "hf_hc3_ngram4", "tidal_variant"])
+@pytest.fixture(scope="module", params=["tidal_tiny", "hf_hc2_gqa4", "hf_hc3_ngram4", "hf_kernels_tied",
+                                        "tidal_variant"])
 def checkpoint(request, tiny_checkpoint, hf_checkpoints, tidal_variant) -> str:
     if request.param == "tidal_tiny":
         return tiny_checkpoint

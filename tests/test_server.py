@@ -210,10 +210,25 @@ def test_bad_completion_requests(server, name, body, param):
      "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "images": ["a"]}]}, "messages[0].images"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": True,
+      "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
 ])
 def test_bad_chat_requests(server, body, param):
     status, resp = server.post("/v1/chat/completions", body)
     assert status == 400 and resp["error"]["param"] == param
+
+
+def test_neutral_client_fields_are_accepted(server):
+    status, resp = server.post("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "system", "content": "s", "name": "x"},
+                                      {"role": "assistant", "content": "a", "tool_calls": []},
+                                      {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "logit_bias": {},
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u", "stop": None,
+        "max_tokens": 2, "stream": False})
+    assert status == 200 and resp["usage"]["completion_tokens"] <= 2
 
 
 def test_invalid_json_auth_and_unknown_route(server, client):
