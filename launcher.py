@@ -86,7 +86,7 @@ class Mesh:
 
     def start(self) -> None:
         env = dict(os.environ)
-        env["TIDAL_SERVER_ARGS"] = json_args(self.args)
+        env["TIDAL_SERVER_ARGS"] = self.args.to_json().decode()
         env["TIDAL_MODEL_PATH"] = self.model_path
         for role, rank in self.roles():
             name = role if rank is None else f"{role}-{rank}"
@@ -107,10 +107,6 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def json_args(args: ServerArgs) -> str:
-    return args.to_json().decode()
 
 
 def serve(args: ServerArgs) -> int:

@@ -60,13 +60,6 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
     return model
 
 
-def ngram_buffer(config: ModelConfig, layer: int, name: str) -> torch.Tensor:
-    """Buffer ``name`` of the PLE module of decoder layer ``layer``."""
-    from .layers.ple import hashing_constants
-
-    return hashing_constants(config, config.ple_layers.index(layer))[name]
-
-
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                load_format: str = "safetensors", seed: int = 0) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
     config = ModelConfig.from_file(path)

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..tokenizer import CHATML_TEMPLATE, QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
-from .loader import empty_model, ngram_buffer
+from .layers.ple import hashing_constants
+from .loader import empty_model
 from .weights import random_tensor, split_for_checkpoint
 
 IM_END, ENDOFTEXT = 248046, 248044
@@ -128,8 +129,9 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
                 flush()
             shard[key] = part.contiguous().clone()
             size += part.numel() * 2
-    for name, _ in model.named_buffers():
-        shard[name] = ngram_buffer(config, int(name.split(".")[2]), name.rpartition(".")[2])
+    for layer in config.ple_layers:  # the hashing buffers, as save_pretrained writes them
+        for name, value in hashing_constants(config, config.ple_layers.index(layer)).items():
+            shard[f"model.layers.{layer}.ple.ple_embedding.{name}"] = value
     flush()
     if len(files) == 1:
         os.replace(files[0][0], os.path.join(out, "model.safetensors"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import traceback
 
-import torch
 import zmq
 
 from ..args import ServerArgs
@@ -25,8 +24,6 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     control: Push = Push(ctx, args.control_addr)
     config = ModelConfig.from_file(model_path)
     sizes = pool_sizes(args, config)
-    if torch.device(args.resolved_device()).type == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     runner = build_runner(args, config, sizes, model_path)
     control.send(Ready(role=f"executor-{rank}", info={
         "device": str(runner.device), "dtype": str(next(runner.model.parameters()).dtype).replace("torch.", ""),

@@ -22,11 +22,10 @@ from .pools import PagePool, SlotPool
 ROOT = b"tidal-prefix-root"
 
 
-def chain_hashes(tokens: list[int], page_size: int, upto_pages: int, start: bytes = ROOT,
-                 first_page: int = 0) -> list[bytes]:
-    """Hashes of pages ``first_page .. upto_pages - 1``; ``start`` is the hash before ``first_page``."""
+def chain_hashes(tokens: list[int], page_size: int, start: bytes = ROOT) -> list[bytes]:
+    """Chain hashes of the full pages of ``tokens``; ``start`` is the hash of the page before them."""
     out, h = [], start
-    for i in range(first_page, upto_pages):
+    for i in range(len(tokens) // page_size):
         block = array("q", tokens[i * page_size:(i + 1) * page_size]).tobytes()
         h = hashlib.blake2b(h + block, digest_size=16).digest()
         out.append(h)
@@ -47,6 +46,7 @@ class Match:
     tokens: int = 0
     pages: list[int] = field(default_factory=list)
     checkpoint: Checkpoint | None = None
+    keys: list[bytes] = field(default_factory=list)  # chain hashes of `pages`
     # Tokens covered by cached pages, checkpoint or not: where this prompt branches off a cached one.
     page_tokens: int = 0
 
@@ -80,8 +80,7 @@ class PrefixCache:
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, tokens: list[int]) -> Match:
         """The longest cached prefix ending at a live checkpoint, leaving >= 1 token to compute."""
-        limit = len(tokens) - 1
-        keys = chain_hashes(tokens, self.page_size, limit // self.page_size)
+        keys = chain_hashes(tokens[: len(tokens) - 1], self.page_size)
         pages: list[int] = []
         for key in keys:
             page = self.page_of.get(key)
@@ -90,12 +89,13 @@ class PrefixCache:
             pages.append(page)
         page_tokens = len(pages) * self.page_size
         if not self.needs_state:
-            return Match(tokens=page_tokens, pages=pages, page_tokens=page_tokens)
+            return Match(tokens=page_tokens, pages=pages, keys=keys[:len(pages)], page_tokens=page_tokens)
         per_ckpt = self.align // self.page_size
         for n in range(len(pages) // per_ckpt * per_ckpt, 0, -per_ckpt):
             ckpt = self.checkpoints.get(keys[n - 1])
             if ckpt is not None:
-                return Match(tokens=n * self.page_size, pages=pages[:n], checkpoint=ckpt, page_tokens=page_tokens)
+                return Match(tokens=n * self.page_size, pages=pages[:n], checkpoint=ckpt, keys=keys[:n],
+                             page_tokens=page_tokens)
         return Match(page_tokens=page_tokens)
 
     def acquire(self, match: Match) -> None:
@@ -150,31 +150,26 @@ class PrefixCache:
         self.counters["checkpoints_evicted"] += 1
 
     # ---- insertion ----------------------------------------------------------------------------
-    def insert_pages(self, tokens: list[int], pages: list[int], computed: int, start_page: int,
-                     start_key: bytes) -> tuple[int, bytes]:
-        """Index the request's full pages ``start_page ..`` whose KV is written (``< computed``).
-
-        Returns the next page to index and its parent hash. A page whose content is already cached
-        under another id stays private to the request.
-        """
-        full = computed // self.page_size
-        keys = chain_hashes(tokens, self.page_size, full, start_key, start_page)
-        for i, key in zip(range(start_page, full), keys):
-            page = pages[i]
+    def insert_pages(self, pages: list[int], keys: list[bytes], new_tokens: list[int]) -> None:
+        """Index a request's next full pages, holding ``new_tokens``; ``keys`` (the chain hashes
+        of its pages indexed so far) grows by theirs. A page whose content is already cached under
+        another id stays private to the request."""
+        first = len(keys)
+        keys += chain_hashes(new_tokens, self.page_size, keys[-1] if keys else ROOT)
+        for page, key in zip(pages[first:len(keys)], keys[first:]):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key
                 self.pages.incref([page])  # the cache's own reference
-        return full, keys[-1] if keys else start_key
 
-    def insert_checkpoint(self, tokens: list[int], position: int, slot: int) -> bool:
-        """Publish the state in ``slot`` as the checkpoint at ``position``; ``False`` frees nothing
-        and means the caller keeps (and must free) the slot."""
-        page_keys = chain_hashes(tokens, self.page_size, position // self.page_size)
+    def insert_checkpoint(self, page_keys: list[bytes], slot: int) -> bool:
+        """Publish the state in ``slot`` as the checkpoint at the end of the pages ``page_keys``;
+        ``False`` means the caller keeps (and must free) the slot."""
         key = page_keys[-1]
         if key in self.checkpoints or any(k not in self.page_of for k in page_keys):
             return False
-        self.checkpoints[key] = Checkpoint(key=key, position=position, slot=slot, page_keys=page_keys)
+        self.checkpoints[key] = Checkpoint(key=key, position=len(page_keys) * self.page_size, slot=slot,
+                                           page_keys=list(page_keys))
         self.idle_checkpoints[key] = None
         self.counters["checkpoints_written"] += 1
         return True

@@ -41,8 +41,7 @@ class Request:
     restore: object | None = None  # the locked Checkpoint restored by the first forward
     copies: list[list[int]] = field(default_factory=list)  # [src, dst] slot copies for the first forward
     branch: int = 0  # prompt tokens already cached as KV pages when admitted
-    indexed_pages: int = 0
-    index_key: bytes = b""
+    page_keys: list[bytes] = field(default_factory=list)  # chain hashes of the pages indexed so far
     rolling_slot: int | None = None  # end-of-request checkpoint, rewritten at each aligned position
     rolling_pos: int | None = None
     checkpoints_written: list[int] = field(default_factory=list)
@@ -69,9 +68,12 @@ class Request:
     def prefill_done(self) -> bool:
         return self.next_chunk >= len(self.chunks)
 
-    @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output, without copying the rest."""
+        p = self.prompt_len
+        head = self.prompt[start:min(end, p)] if start < p else []
+        tail = self.output[max(start - p, 0):end - p] if end > p else []
+        return head + tail
 
     def max_positions(self) -> int:
         """Positions the request can ever occupy (prompt plus every output token but the last)."""

@@ -19,7 +19,7 @@ from ..messages import Batch, Detokenize, GenerateReq, Plan, PromptAdmitted, Sch
 from ..sizing import PoolSizes
 from .checkpoint_plan import CheckpointPlan, plan_prompt
 from .pools import PagePool, SlotPool
-from .prefix_cache import ROOT, PrefixCache
+from .prefix_cache import PrefixCache
 from .request import Request, Status
 
 logger = logging.getLogger(__name__)
@@ -149,10 +149,13 @@ class Scheduler:
                            sample=True, sampling=req.sampling, sample_index=len(req.output), exports=exports)
 
     def _rolling_slot(self, req: Request) -> int | None:
-        if req.rolling_slot is None and self.cache.needs_state:
+        """The request's end-of-request checkpoint slot, about to be rewritten."""
+        if not self.cache.needs_state:
+            return None
+        if req.rolling_slot is None:
             req.rolling_slot = self.cache.alloc_checkpoint_slot()
-        req.rolling_pos = None  # being rewritten: valid again once this forward completes
-        return req.rolling_slot if self.cache.needs_state else None
+        req.rolling_pos = None  # valid again once this forward completes
+        return req.rolling_slot
 
     def process_result(self, batch: Batch, token_ids: list[int]) -> None:
         self.counters["forwards"] += 1
@@ -196,16 +199,17 @@ class Scheduler:
         """Publish what the forward just wrote: full pages, then completed checkpoints."""
         if self.cache is None:
             return
-        tokens = req.all_tokens
-        req.indexed_pages, req.index_key = self.cache.insert_pages(
-            tokens, req.pages, end, req.indexed_pages, req.index_key or ROOT)
+        ps = self.sizes.page_size
+        indexed = len(req.page_keys)
+        if end // ps > indexed:
+            self.cache.insert_pages(req.pages, req.page_keys, req.tokens(indexed * ps, end // ps * ps))
         for offset, slot in seg.exports:
             pos = seg.start + offset
             if slot == req.rolling_slot:
                 req.rolling_pos = pos
                 continue
             req.exports.pop(pos, None)
-            if self.cache.insert_checkpoint(tokens, pos, slot):
+            if self.cache.insert_checkpoint(req.page_keys[: pos // ps], slot):
                 req.checkpoints_written.append(pos)
             else:
                 self.cache.slots.free(slot)
@@ -261,8 +265,7 @@ class Scheduler:
         req.cached_tokens = match.tokens
         req.num_computed = match.tokens
         req.restore = match.checkpoint
-        req.indexed_pages = len(match.pages)
-        req.index_key = self.cache.key_of[match.pages[-1]] if match.pages else ROOT
+        req.page_keys = match.keys
         req.branch = match.page_tokens
         if match.tokens:
             self.counters["cache_hits"] += 1
@@ -330,7 +333,7 @@ class Scheduler:
         req.exports.clear()
         if req.rolling_slot is not None:
             if publish and req.rolling_pos is not None and cache.insert_checkpoint(
-                    req.all_tokens, req.rolling_pos, req.rolling_slot):
+                    req.page_keys[: req.rolling_pos // self.sizes.page_size], req.rolling_slot):
                 req.checkpoints_written.append(req.rolling_pos)
             else:
                 cache.slots.free(req.rolling_slot)

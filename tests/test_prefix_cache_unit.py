@@ -7,7 +7,7 @@ import torch
 from tidal import LLM
 from tidal.scheduler.checkpoint_plan import plan_prompt
 from tidal.scheduler.pools import PagePool, SlotPool
-from tidal.scheduler.prefix_cache import ROOT, PrefixCache
+from tidal.scheduler.prefix_cache import PrefixCache
 
 
 def test_plan_align_mode_cuts_at_the_checkpoint():
@@ -44,10 +44,11 @@ def test_match_needs_pages_and_a_checkpoint():
     cache, counters = _cache()
     tokens = list(range(1, 20))
     pages = cache.alloc_pages(5)
-    cache.insert_pages(tokens, pages, computed=19, start_page=0, start_key=ROOT)
+    keys: list[bytes] = []
+    cache.insert_pages(pages, keys, tokens[:16])
     assert cache.match(tokens).tokens == 0 and cache.match(tokens).page_tokens == 16
     slot = cache.alloc_checkpoint_slot()
-    assert cache.insert_checkpoint(tokens, 16, slot)
+    assert cache.insert_checkpoint(keys[:4], slot)
     m = cache.match(tokens + [99])
     assert m.tokens == 16 and m.pages == pages[:4] and m.checkpoint.slot == slot
     assert cache.match(tokens[:16]).tokens == 0  # the checkpoint at 16 would leave no token to compute
@@ -59,9 +60,10 @@ def test_release_evicts_deepest_first_and_locked_checkpoints_stay():
     cache, counters = _cache(pages=6, slots=1)
     tokens = list(range(100, 124))
     pages = cache.alloc_pages(6)
-    cache.insert_pages(tokens, pages, computed=24, start_page=0, start_key=ROOT)
+    keys: list[bytes] = []
+    cache.insert_pages(pages, keys, tokens)
     slot = cache.alloc_checkpoint_slot()
-    cache.insert_checkpoint(tokens, 16, slot)
+    cache.insert_checkpoint(keys[:4], slot)
     cache.release_pages(pages)
     assert cache.cached_pages == 6 and cache.pages.num_free == 0
     m = cache.match(tokens)
