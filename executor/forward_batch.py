@@ -1,4 +1,15 @@
-"""What one forward pass needs to know about its rows: the executor's view of a ``Batch``."""
+"""What one forward pass needs to know about its rows, built once per ``Batch``.
+
+The runner turns a ``Batch`` into a :class:`ForwardBatch`: the flat rows of every segment plus
+device tensors describing them (lengths, offsets, slots, page tables, checkpoint exports). Layers
+read only these tensors — they never loop over segments and never ask the device for a value, so a
+step is a fixed sequence of kernel launches. The host-side facts a launch needs (row counts, the
+longest segment) are plain ints computed here from the message, which costs no device sync.
+
+Row order: the runner puts single-token segments (decodes) first, then multi-token ones (prefill
+chunks), so GDN and attention can hand the two groups to different kernels as two contiguous row
+ranges: ``rows [0, num_decode_rows)`` and ``rows [num_decode_rows, T)``.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +22,7 @@ from .memory import KVPool, StatePool
 
 @dataclass
 class Segment:
-    """A contiguous run of one request's tokens inside the flat batch.
+    """A contiguous run of one request's tokens inside the flat batch (host-side description).
 
     ``exports`` lists ``(offset, dst_slot)``: after the segment's first ``offset`` tokens
     (``0 < offset <= length``), the request's complete state is written to ``dst_slot``. An offset
@@ -22,17 +33,13 @@ class Segment:
     start: int
     length: int
     row0: int
-    page_table: torch.Tensor | None = None
+    pages: list[int] = field(default_factory=list)
     exports: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def fresh(self) -> bool:
         """Starts at position 0: the state before it is the zero state, whatever the slot holds."""
         return self.start == 0
-
-    @property
-    def rows(self) -> slice:
-        return slice(self.row0, self.row0 + self.length)
 
     @property
     def end(self) -> int:
@@ -44,21 +51,211 @@ class Segment:
 
 
 @dataclass
+class RowGroup:
+    """Device description of a contiguous range of segments (all rows, decodes, or prefills).
+
+    ``cu_seqlens`` is relative to the group's first row ``row0``; ``index`` selects the group's
+    segments from the batch-wide per-segment tensors.
+    """
+
+    row0: int
+    seg0: int  # index of the group's first segment in the batch
+    num_rows: int
+    num_segments: int
+    max_seqlen: int
+    cu_seqlens: torch.Tensor  # int32 [n + 1]
+    lengths: torch.Tensor  # long [n]
+    slots: torch.Tensor  # long [n]
+    fresh: torch.Tensor  # bool [n]
+    kv_lens: torch.Tensor  # int32 [n]: start + length
+    page_table: torch.Tensor | None  # int32 [n, max_pages]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.row0, self.row0 + self.num_rows)
+
+
+@dataclass
+class Wave:
+    """One pass of a recurrence that is split at internal exports.
+
+    A segment with exports at internal offsets ``o1 < o2 < ...`` runs as pieces ``[0, o1)``,
+    ``[o1, o2)``, ...; wave ``w`` holds the ``w``-th piece of every prefill segment that has one.
+    ``rows`` index the prefill group's rows (``None``: all of them, in order — the usual case of a
+    batch without internal exports); ``seg`` are the pieces' segment indices within the prefill
+    group. A piece's initial state is its segment's slot state (first piece) or the previous
+    piece's final state; ``export_piece``/``export_dst`` say which pieces' final states are also
+    checkpoints and where they go.
+    """
+
+    rows: torch.Tensor | None  # long [rows]
+    cu_seqlens: torch.Tensor  # long [n + 1] (the GDN kernel's index type)
+    cu_host: list[int]
+    cu_cpu: torch.Tensor  # the same on the host
+    max_seqlen: int
+    seg: torch.Tensor  # long [n]
+    export_piece: torch.Tensor  # long [m]
+    export_dst: torch.Tensor  # long [m]
+
+
+@dataclass
+class QSABlocks:
+    """Where the QSA layers find and put pooled block keys for this forward.
+
+    A block of ``ratio`` keys gets its pooled key when its last token is written; the key is stored
+    at that token's KV row (in ``KVPool.index_block_k``), so it lives in the page that completes the
+    block and is shared through the prefix cache exactly like that page.
+    """
+
+    ratio: int
+    # Blocks completed by this forward: the KV rows of their tokens, and their first position.
+    new_rows: torch.Tensor  # long [Mb, ratio]
+    new_pos: torch.Tensor  # long [Mb]
+    # Per segment, the KV row holding block b's key (clamped past the segment's blocks).
+    key_rows: torch.Tensor  # long [N, max_blocks]
+    max_blocks: int
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     segments: list[Segment]
     kv: KVPool | None
     states: StatePool
-    # Per segment: the n-gram context before its first token (``[ngram_size - 1]`` ids), for PLE.
-    ngram_context: list[torch.Tensor] = field(default_factory=list)
+    all: RowGroup
+    decode: RowGroup
+    prefill: RowGroup
+    kv_write_rows: torch.Tensor | None  # long [T]: flat KV-cache row of each token
+    row_segment: torch.Tensor  # long [T]: segment index of each row
+    # The n-gram context before each segment's first token (``[N, ngram_size - 1]`` ids), for PLE.
+    ngram_context: torch.Tensor
+    # Internal exports (0 < offset < length), flattened: segment index, offset, destination slot.
+    export_seg: torch.Tensor  # long [M]
+    export_off: torch.Tensor  # long [M]
+    export_dst: torch.Tensor  # long [M]
+    waves: list[Wave]
+    qsa: QSABlocks | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def decode_segments(self) -> list[Segment]:
-        return [s for s in self.segments if s.length == 1]
+    @property
+    def num_exports(self) -> int:
+        return int(self.export_seg.shape[0])
 
-    def prefill_segments(self) -> list[Segment]:
-        return [s for s in self.segments if s.length > 1]
+
+def _group(segs: list[Segment], seg0: int, row0: int, device: torch.device, with_pages: bool) -> RowGroup:
+    lengths = [s.length for s in segs]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    page_table = None
+    if with_pages:
+        width = max([len(s.pages) for s in segs] + [1])
+        table = [s.pages + [0] * (width - len(s.pages)) for s in segs]
+        page_table = torch.tensor(table, dtype=torch.int32, device=device).reshape(len(segs), width)
+    return RowGroup(
+        row0=row0, seg0=seg0, num_rows=cu[-1], num_segments=len(segs), max_seqlen=max(lengths, default=0),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+        lengths=torch.tensor(lengths, dtype=torch.long, device=device),
+        slots=torch.tensor([s.slot for s in segs], dtype=torch.long, device=device),
+        fresh=torch.tensor([s.fresh for s in segs], dtype=torch.bool, device=device),
+        kv_lens=torch.tensor([s.end for s in segs], dtype=torch.int32, device=device),
+        page_table=page_table,
+    )
+
+
+def _waves(prefill: list[Segment], device: torch.device) -> list[Wave]:
+    pieces = [[0, *seg.split_points(), seg.length] for seg in prefill]
+    count = max((len(p) - 1 for p in pieces), default=0)
+    base = prefill[0].row0 if prefill else 0
+    waves = []
+    for w in range(count):
+        rows: list[int] = []
+        cu, seg_list, export_piece, export_dst = [0], [], [], []
+        for i, (seg, bounds) in enumerate(zip(prefill, pieces)):
+            if w + 1 >= len(bounds):
+                continue
+            lo, hi = bounds[w], bounds[w + 1]
+            rows.extend(range(seg.row0 - base + lo, seg.row0 - base + hi))
+            cu.append(cu[-1] + hi - lo)
+            if hi < seg.length:
+                for off, dst in seg.exports:
+                    if off == hi:
+                        export_piece.append(len(seg_list))
+                        export_dst.append(dst)
+            seg_list.append(i)
+        waves.append(Wave(
+            rows=None if count == 1 else torch.tensor(rows, dtype=torch.long, device=device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.long, device=device), cu_host=cu,
+            cu_cpu=torch.tensor(cu, dtype=torch.long),
+            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])),
+            seg=torch.tensor(seg_list, dtype=torch.long, device=device),
+            export_piece=torch.tensor(export_piece, dtype=torch.long, device=device),
+            export_dst=torch.tensor(export_dst, dtype=torch.long, device=device),
+        ))
+    return waves
+
+
+def _qsa_blocks(segments: list[Segment], page_table: torch.Tensor, page_size: int, ratio: int,
+                device: torch.device) -> QSABlocks:
+    new_seg, new_block = [], []
+    for i, seg in enumerate(segments):
+        for b in range(seg.start // ratio, seg.end // ratio):
+            new_seg.append(i)
+            new_block.append(b)
+    seg_t = torch.tensor(new_seg, dtype=torch.long, device=device)
+    pos = torch.tensor(new_block, dtype=torch.long, device=device)[:, None] * ratio + torch.arange(ratio, device=device)
+    new_rows = page_table[seg_t[:, None], pos // page_size].long() * page_size + pos % page_size
+    max_blocks = max(seg.end // ratio for seg in segments)
+    last = (torch.arange(max_blocks, device=device) + 1) * ratio - 1
+    page_index = (last // page_size).clamp(max=page_table.shape[1] - 1)
+    key_rows = page_table[:, page_index].long() * page_size + last % page_size
+    return QSABlocks(ratio=ratio, new_rows=new_rows, new_pos=pos[:, 0], key_rows=key_rows, max_blocks=max_blocks)
+
+
+def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPool | None, states: StatePool,
+                        ngram_eos: int, device: torch.device, qsa_ratio: int = 0) -> ForwardBatch:
+    """Device metadata for ``segments`` (decodes first, then prefills; rows in that order)."""
+    num_decodes = sum(1 for s in segments if s.length == 1)
+    assert all(s.length == 1 for s in segments[:num_decodes]), "decode segments must come first"
+    page_size = kv.page_size if kv is not None else 1
+    with_pages = kv is not None
+    all_group = _group(segments, 0, 0, device, with_pages)
+    decode = _group(segments[:num_decodes], 0, 0, device, with_pages)
+    prefill = _group(segments[num_decodes:], num_decodes, num_decodes, device, with_pages)
+    total = all_group.num_rows
+    row_segment = torch.repeat_interleave(torch.arange(len(segments), device=device), all_group.lengths,
+                                          output_size=total)
+    starts = torch.tensor([s.start for s in segments], dtype=torch.long, device=device)
+    offsets = all_group.cu_seqlens[:-1].long()
+    positions = starts[row_segment] + torch.arange(total, device=device) - offsets[row_segment]
+    kv_write_rows = None
+    if kv is not None:
+        pages = all_group.page_table[row_segment, positions // page_size].long()
+        kv_write_rows = pages * page_size + positions % page_size
+    width = states.ngram_context.shape[1]
+    if width:
+        slots = all_group.slots
+        ctx = states.ngram_context[slots]
+        ngram_context = torch.where(all_group.fresh[:, None], torch.full_like(ctx, ngram_eos), ctx)
+    else:
+        ngram_context = torch.empty(len(segments), 0, dtype=torch.long, device=device)
+    qsa = None
+    if kv is not None and qsa_ratio:
+        qsa = _qsa_blocks(segments, all_group.page_table, page_size, qsa_ratio, device)
+    exports = [(i, off, dst) for i, seg in enumerate(segments) for off, dst in seg.exports if off < seg.length]
+    ex = torch.tensor(exports, dtype=torch.long, device=device).reshape(-1, 3)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=positions,
+        segments=segments, kv=kv, states=states, all=all_group, decode=decode, prefill=prefill,
+        kv_write_rows=kv_write_rows,
+        row_segment=row_segment,
+        ngram_context=ngram_context,
+        export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
+        waves=_waves(segments[num_decodes:], device),
+        qsa=qsa,
+    )

@@ -75,14 +75,19 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
 
 
 def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int) -> None:
-    """Seeded weights, rounded through the checkpoint's dtype: the same values ``tidal checkpoint``
-    writes with this seed."""
+    """Seeded weights, rounded through the checkpoint's dtype, generated on the parameters' device.
+
+    On the CPU these are exactly the values ``tidal checkpoint`` writes with this seed. On a GPU the
+    device's generator makes them (seconds instead of minutes for the 13 G-parameter ``bench``
+    preset): deterministic per seed and device type, but not equal to the CPU's values.
+    """
     stored = DTYPES.get(config.torch_dtype, torch.bfloat16)
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        value = random_tensor(name, tuple(param.shape), config, seed, device="cpu")
+        value = random_tensor(name, tuple(param.shape), config, seed, device=param.device)
         param.data.copy_(value.to(stored))
+        del value
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 

@@ -8,7 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from ..messages import Batch, SamplingParams
-from .forward_batch import ForwardBatch, Segment
+from .forward_batch import ForwardBatch, Segment, build_forward_batch
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .sampler import Sampler
@@ -36,72 +36,82 @@ class ModelRunner:
     def execute(self, batch: Batch) -> RunnerOutput:
         for src, dst in batch.copies:
             self.states.copy(src, dst)
-        fb = self._forward_batch(batch)
-        streams = self.model(fb)
-        self._advance_ngram_context(fb, batch)
+        # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
+        # of the j-th segment as the forward lays it out.
+        specs = batch.segments
+        order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
+        fb = self._forward_batch([specs[i] for i in order])
+        streams, pending = self.model(fb)
+        self._finish_states(fb)
 
         # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
         rows: list[int] = []
-        spans: list[tuple[int, int]] = []
-        for spec, seg in zip(batch.segments, fb.segments):
+        spans: dict[int, tuple[int, int]] = {}
+        for i, seg in zip(order, fb.segments):
+            spec = specs[i]
             first = len(rows)
             if spec.want_logits:
                 rows.extend(range(seg.row0, seg.row0 + seg.length))
             elif spec.sample:
                 rows.append(seg.row0 + seg.length - 1)
-            spans.append((first, len(rows)))
-        out = RunnerOutput(token_ids=[-1] * len(batch.segments))
+            spans[i] = (first, len(rows))
+        out = RunnerOutput(token_ids=[-1] * len(specs))
         if not rows:
             return out
-        logits = self.model.logits(streams[torch.tensor(rows, device=self.device)]).float()
-        sampled = [i for i, spec in enumerate(batch.segments) if spec.sample]
-        for i, spec in enumerate(batch.segments):
+        logits = self.model.logits(streams, pending, torch.tensor(rows, device=self.device)).float()
+        for i, spec in enumerate(specs):
             if spec.want_logits:
                 out.logits[i] = logits[spans[i][0]:spans[i][1]]
+        sampled = [i for i, spec in enumerate(specs) if spec.sample]
         if sampled:
             last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
-            ids = self.sampler(logits[last_rows], [batch.segments[i].sampling or GREEDY for i in sampled],
-                               [batch.segments[i].sample_index for i in sampled])
+            ids = self.sampler(logits[last_rows], [specs[i].sampling or GREEDY for i in sampled],
+                               [specs[i].sample_index for i in sampled])
             for i, tok in zip(sampled, ids):
                 out.token_ids[i] = tok
         return out
 
-    def _forward_batch(self, batch: Batch) -> ForwardBatch:
-        ids, positions, segments, contexts = [], [], [], []
+    def _forward_batch(self, specs) -> ForwardBatch:
+        segments, ids = [], []
         row = 0
-        width = self.states.ngram_context.shape[1]
-        eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
-        for spec in batch.segments:
+        for spec in specs:
             n = len(spec.token_ids)
             if n == 0:
                 raise ValueError(f"segment of request {spec.rid} has no tokens")
             ids.extend(spec.token_ids)
-            positions.extend(range(spec.start, spec.start + n))
-            page_table = torch.tensor(spec.pages, dtype=torch.long, device=self.device) if spec.pages else None
-            seg = Segment(slot=spec.slot, start=spec.start, length=n, row0=row, page_table=page_table,
-                          exports=[(int(o), int(d)) for o, d in spec.exports])
-            segments.append(seg)
-            if seg.fresh:
-                contexts.append(torch.full((width,), eos, dtype=torch.long, device=self.device))
-            else:
-                contexts.append(self.states.ngram_context[spec.slot].clone())
+            segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=list(spec.pages),
+                                    exports=[(int(o), int(d)) for o, d in spec.exports]))
             row += n
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            segments=segments, kv=self.kv, states=self.states, ngram_context=contexts,
-        )
+        eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
+        ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
+        return build_forward_batch(segments, ids, self.kv, self.states, eos, self.device, qsa_ratio=ratio or 0)
 
-    def _advance_ngram_context(self, fb: ForwardBatch, batch: Batch) -> None:
+    def _finish_states(self, fb: ForwardBatch) -> None:
+        """The n-gram context of every segment's slot and internal export; end-of-segment exports.
+
+        Layers write each segment's final state into its own slot and internal exports into theirs;
+        an export at a segment's end is that final state, copied here once for every state tensor.
+        """
         width = self.states.ngram_context.shape[1]
-        if width == 0:
-            return
-        for seg, context in zip(fb.segments, fb.ngram_context):
-            history = torch.cat([context, fb.input_ids[seg.rows]])
+        if width:
+            # History of segment i: its context (width ids) then its tokens; flat layout, one gather.
+            n = len(fb.segments)
+            starts = fb.all.cu_seqlens[:-1].long() + width * torch.arange(n, device=self.device)
+            history = torch.empty(fb.num_tokens + n * width, dtype=torch.long, device=self.device)
+            ctx_rows = starts[:, None] + torch.arange(width, device=self.device)
+            history[ctx_rows.flatten()] = fb.ngram_context.flatten()
+            tok_rows = fb.row_segment * width + torch.arange(fb.num_tokens, device=self.device)
+            history[tok_rows + width] = fb.input_ids
+            window = torch.arange(width, device=self.device)
+            if fb.num_exports:
+                at = starts[fb.export_seg] + fb.export_off
+                self.states.ngram_context[fb.export_dst] = history[at[:, None] + window]
+            ends = starts + fb.all.lengths
+            self.states.ngram_context[fb.all.slots] = history[ends[:, None] + window]
+        for seg in fb.segments:
             for off, dst in seg.exports:
-                self.states.ngram_context[dst] = history[off:off + width]
-            self.states.ngram_context[seg.slot] = history[-width:]
-
+                if off == seg.length:
+                    self.states.copy(seg.slot, dst)
 
 def build_runner(args, config: ModelConfig, sizes, model_path: str) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device."""

@@ -9,12 +9,18 @@ State per value head is ``S ∈ R^{dk x dv}`` (fp32). For each token::
 ``chunk_gated_delta_rule`` computes the same recurrence in chunks of ``chunk_size`` tokens with the
 WY/UT transform; ``recurrent_gated_delta_rule`` steps one token for a batch of sequences (decode).
 Inputs arrive already l2-normalised and expanded to the value-head count.
+
+``gdn_decode_ref`` is the decode step as the serving path runs it: raw q/k (normalised and expanded
+inside), the recurrent state read from and written back to a slot pool. ``gdn_decode_triton`` holds
+its fused kernel.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .norm import l2_norm
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -83,3 +89,31 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     out = (s * q.unsqueeze(-1)).sum(-2)
     return out.to(out_dtype), s
+
+
+def gdn_decode_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """One decode token per request against the recurrent states of a slot pool, updated in place.
+
+    The torch statement of what the fused decode kernel does, so that kernel has an oracle built
+    from :func:`recurrent_gated_delta_rule` itself.
+
+    Args:
+        q, k: ``[B, Hk, dk]`` raw (this l2-normalises them in fp32, eps 1e-6, and scales q by
+            ``dk^-0.5``); value head ``h`` reads key head ``h // (Hv // Hk)``.
+        v: ``[B, Hv, dv]``; g: ``[B, Hv]`` fp32 log decay (<= 0); beta: ``[B, Hv]``.
+        state_pool: ``[S, Hv, dk, dv]`` fp32; ``state_pool[slots[b]]`` is read (zeros where
+            ``fresh[b]``) and overwritten with the new state. Slots must be distinct.
+        slots: int ``[B]``; fresh: bool ``[B]``.
+    Returns ``[B, Hv, dv]`` in ``v``'s dtype.
+    """
+    group = v.shape[1] // k.shape[1]
+    q, k = l2_norm(q.float()), l2_norm(k.float())
+    if group > 1:  # each q/k head serves `group` consecutive value heads
+        q = q.repeat_interleave(group, dim=1)
+        k = k.repeat_interleave(group, dim=1)
+    slots = slots.long()
+    state = state_pool.index_select(0, slots).masked_fill(fresh.view(-1, 1, 1, 1), 0)
+    out, state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    state_pool.index_copy_(0, slots, state.to(state_pool.dtype))
+    return out

@@ -1,9 +1,23 @@
-"""Routed experts, torch reference."""
+"""Routed experts: the softmax top-k router and the expert computation.
+
+``fused_experts`` sorts the (token, expert) assignments by expert and runs gate_up and down as two
+grouped GEMMs over the jagged per-expert row ranges (torch's grouped GEMM: one launch each, no
+loop over experts, no host sync; it runs on the CPU too). ``fused_experts_ref`` is the per-expert
+loop it is checked against.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .backend import use_triton
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+# On CUDA, bf16 batches of at most this many (token, expert) assignments take the Triton kernel: there
+# each expert sees a row or two and the grouped GEMM's large tiles are wasted. Not yet measured.
+TRITON_MAX_ASSIGNMENTS = 512
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,11 +29,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights.to(router_logits.dtype), ids
 
 
-def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert_weights) -> torch.Tensor:
-    """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``.
+def fused_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``,
+    one expert at a time.
 
-    ``expert_weights(e)`` returns ``(gate_up [2I, H], down [H, I])`` of expert ``e``; resident and
-    streamed expert stores both answer it.
+    Args: x ``[T, H]``; ids, weights ``[T, K]``; gate_up ``[E, 2I, H]`` (gate rows first); down ``[E, H, I]``.
     """
     out = torch.zeros_like(x)
     flat = ids.flatten()
@@ -34,8 +49,46 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
         tokens = token_of[start:start + count]
         slots = slot_of[start:start + count]
         start += count
-        gate_up, down = expert_weights(expert)
-        gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, down) * weights[tokens, slots, None]
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, down[expert]) * weights[tokens, slots, None]
         out.index_add_(0, tokens, h.to(out.dtype))
     return out
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM takes bf16 on CUDA, and any float dtype on the CPU."""
+    if _grouped_mm is None:
+        return False
+    return x.dtype == torch.bfloat16 or not x.is_cuda
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> torch.Tensor:
+    """Same result as :func:`fused_experts_ref`, as two grouped GEMMs over expert-sorted rows.
+
+    Each token's K expert outputs are summed in fp32 in a fixed order (no atomics), so the result is
+    deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
+    cannot (fp32, fp16) or is weak (at most :data:`TRITON_MAX_ASSIGNMENTS` assignments).
+    """
+    if (use_triton(x) and x.dtype == gate_up.dtype == down.dtype
+            and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
+        from .moe_triton import fused_experts_triton
+
+        return fused_experts_triton(x, ids, weights, gate_up, down)
+    if not grouped_mm_supported(x):
+        return fused_experts_ref(x, ids, weights, gate_up, down)
+    tokens, top_k = ids.shape
+    num_experts = gate_up.shape[0]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    # Not bincount: on CUDA it reads the largest id back to size its output (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x[order // top_k]
+    h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    gate, up = h.chunk(2, dim=-1)
+    h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    per_slot[order] = h * weights.flatten()[order, None]
+    return per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -62,3 +62,39 @@ def ngram_ids(context: torch.Tensor, tokens: torch.Tensor, eos: int, multipliers
         sizes = head_vocab_sizes[lo:lo + heads_per_ngram]
         blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + head_offsets[lo:lo + heads_per_ngram])
     return torch.cat(blocks, dim=-1)[context.shape[0]:]
+
+
+def ngram_ids_varlen(context: torch.Tensor, tokens: torch.Tensor, row_segment: torch.Tensor,
+                     cu_seqlens: torch.Tensor, eos: int,
+                     multipliers: torch.Tensor, head_vocab_sizes: torch.Tensor, head_offsets: torch.Tensor,
+                     heads_per_ngram: int) -> torch.Tensor:
+    """:func:`ngram_ids` for a flat batch of segments at once.
+
+    Args:
+        context: ``[N, W]`` each segment's previous ids (``W = ngram_size - 1``).
+        tokens: ``[T]`` the rows of all segments; row_segment ``[T]`` their segment index; cu_seqlens
+            ``[N + 1]`` the segments' row offsets.
+    Every segment is laid out as its context followed by its tokens in one flat history. A shift of
+    at most ``W`` from a token row stays inside its own segment's part, and an EOS found in an
+    earlier segment's part leaves at least ``W`` rows of in-segment history, so one pass over the
+    flat history gives each segment exactly its own ids.
+    """
+    n, width = context.shape
+    total = tokens.shape[0]
+    device = tokens.device
+    token_at = row_segment * width + torch.arange(total, device=device) + width
+    history = torch.empty(total + n * width, dtype=torch.long, device=device)
+    seg_start = cu_seqlens[:-1].long() + width * torch.arange(n, device=device)
+    history[(seg_start[:, None] + torch.arange(width, device=device)).flatten()] = context.flatten().long()
+    history[token_at] = tokens.long()
+    ngram_size = multipliers.shape[0]
+    shifted = [shift_within_segment(history, s, eos)[token_at] for s in range(ngram_size)]
+    blocks = []
+    for order in range(2, ngram_size + 1):
+        lo = (order - 2) * heads_per_ngram
+        mixed = shifted[0] * multipliers[0]
+        for p in range(1, order):
+            mixed = torch.bitwise_xor(mixed, shifted[p] * multipliers[p])
+        sizes = head_vocab_sizes[lo:lo + heads_per_ngram]
+        blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + head_offsets[lo:lo + heads_per_ngram])
+    return torch.cat(blocks, dim=-1)

@@ -1,12 +1,19 @@
-"""RMS norms as Qwen4-Exp computes them (fp32 statistics, ``1 + weight`` scale)."""
+"""RMS norms as Qwen4-Exp computes them (fp32 statistics, ``1 + weight`` scale).
+
+``rms_norm_ref`` and ``gated_rms_norm_ref`` are the torch references (the CPU path and the oracle of
+the Triton kernels in ``norm_triton``); ``rms_norm`` and ``gated_rms_norm`` dispatch between them
+with :func:`~tidal.kernels.backend.use_triton`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
     """``x / rms(x) * (1 + weight)`` in fp32, optionally over groups of ``group_size`` features."""
     h = x.float()
     if group_size is not None:
@@ -17,9 +24,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
     return (h * (1.0 + weight.float())).type_as(x)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                   activation: str = "silu") -> torch.Tensor:
-    """GDN output norm: ``weight * x / rms(x) * act(gate)``; plain (not ``1 +``) weight."""
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                       activation: str = "silu") -> torch.Tensor:
+    """GDN output norm: ``weight * x / rms(x) * act(gate)``; plain (not ``1 +``) weight.
+
+    The normalised ``x`` is rounded to x's dtype before the weight multiplies it, and the product to
+    the promoted dtype of the two; the Triton kernel copies both roundings so bf16 results agree.
+    """
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -27,6 +38,25 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     g = gate.float()
     g = F.silu(g) if activation == "silu" else torch.sigmoid(g)
     return (h * g).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    """:func:`rms_norm_ref`, by a Triton kernel for CUDA tensors."""
+    if use_triton(x):
+        from .norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, group_size)
+    return rms_norm_ref(x, weight, eps, group_size)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "silu") -> torch.Tensor:
+    """:func:`gated_rms_norm_ref`, by a Triton kernel for CUDA tensors."""
+    if use_triton(x):
+        from .norm_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, gate, weight, eps, activation)
+    return gated_rms_norm_ref(x, gate, weight, eps, activation)
 
 
 def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

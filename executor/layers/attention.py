@@ -6,13 +6,11 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
-from ...kernels.attention import causal_mask, masked_attention, pool_blocks, qsa_token_mask
-from ..forward_batch import ForwardBatch, Segment
+from ...kernels.attention import paged_attention
+from ...kernels.qsa import pick_blocks
+from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 from .rotary import Rotary
-
-# Queries processed per attention tile on the reference path; bounds the [tile, kv_len] masks.
-QUERY_TILE = 1024
 
 
 class QSAIndexer(nn.Module):
@@ -34,12 +32,48 @@ class QSAIndexer(nn.Module):
         q = Rotary.apply(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
         return q, raw_k
 
-    def block_keys(self, raw_keys: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """Normalised block keys rotated at each block's first position."""
-        pooled = self.k_layernorm(pool_blocks(raw_keys, self.ratio))
-        starts = torch.arange(pooled.shape[0], device=raw_keys.device) * self.ratio
-        cos, sin = rotary.cos_sin(starts, pooled.dtype)
-        return Rotary.apply(pooled, cos, sin)
+    def write_block_keys(self, layer: int, batch: ForwardBatch, rotary: Rotary) -> None:
+        """Pool, normalise and rotate every block this forward completed; store each at the KV row of
+        its last token (raw keys of earlier tokens of the block come from the cache)."""
+        qsa, kv = batch.qsa, batch.kv
+        if not qsa.new_pos.numel():
+            return
+        raw = kv.flat(kv.index_k, layer)[qsa.new_rows]  # [Mb, ratio, d]
+        pooled = self.k_layernorm(raw.float().mean(dim=1).to(raw.dtype))
+        cos, sin = rotary.cos_sin(qsa.new_pos, pooled.dtype)
+        kv.flat(kv.index_block_k, layer)[qsa.new_rows[:, -1]] = Rotary.apply(pooled, cos, sin)
+
+    def select(self, layer: int, index_q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """``block_sel [T, K']``: per query row, its top-``block_topk`` visible complete blocks by
+        ``sum_h relu(q_h . k_block) / sqrt(d)``, ``-1`` for empty entries (fewer visible blocks)."""
+        qsa = batch.qsa
+        width = max(1, min(self.block_topk, qsa.max_blocks))
+        # One spare row at the end takes the writes of padding queries (no data-dependent shapes).
+        sel = torch.full((index_q.shape[0] + 1, width), -1, dtype=torch.int32, device=index_q.device)
+        if qsa.max_blocks:
+            keys = batch.kv.flat(batch.kv.index_block_k, layer)[qsa.key_rows]  # [N, B, d]
+            for group in (batch.decode, batch.prefill):
+                if group.num_rows:
+                    self._select_group(index_q, keys[group.seg0:group.seg0 + group.num_segments].float(), group,
+                                       batch.positions, sel, width)
+        return sel[:-1]
+
+    def _select_group(self, index_q, seg_keys, group, positions, sel, width) -> None:
+        # Queries of the group's segments padded to [n, L] so each segment scores its own blocks.
+        length = group.max_seqlen
+        local = torch.arange(length, device=index_q.device)
+        rows = group.row0 + group.cu_seqlens[:-1, None].long() + local[None, :]
+        dest = torch.where(local[None, :] < group.lengths[:, None], rows, sel.shape[0] - 1)
+        rows = rows.clamp(max=group.row0 + group.num_rows - 1)
+        pos = positions[rows]  # [n, L]
+        # Bound the [n, tile, heads, B] score tensor to ~2^26 elements.
+        tile = max(1, min(length, (1 << 26) // max(1, group.num_segments * self.n_heads * seg_keys.shape[1])))
+        scale = self.head_dim ** -0.5
+        for lo in range(0, length, tile):
+            hi = min(length, lo + tile)
+            q = index_q[rows[:, lo:hi]].float()  # [n, t, Hi, d]
+            scores = torch.einsum("nthd,nbd->nthb", q, seg_keys).relu_().sum(dim=2) * scale
+            sel[dest[:, lo:hi]] = pick_blocks(scores, (pos[:, lo:hi] + 1) // self.ratio, width)
 
 
 class GatedAttention(nn.Module):
@@ -60,41 +94,25 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
+        kv, layer = batch.kv, self.layer_idx
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(tokens, -1)
         q = Rotary.apply(self.q_norm(q), cos, sin)
         k = Rotary.apply(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        index_q = raw_index_k = None
+        rows = batch.kv_write_rows
+        kv.flat(kv.k, layer)[rows] = k
+        kv.flat(kv.v, layer)[rows] = v
+        block_sel = None
         if self.indexer is not None:
             index_q, raw_index_k = self.indexer.project(x, cos, sin)
-        out = torch.empty_like(q)
-        for seg in batch.segments:
-            self._segment(seg, batch, q, k, v, index_q, raw_index_k, out)
+            kv.flat(kv.index_k, layer)[rows] = raw_index_k
+            self.indexer.write_block_keys(layer, batch, self.rotary)
+            block_sel = self.indexer.select(layer, index_q, batch)
+        a = batch.all
+        out = paged_attention(q, kv.k[layer], kv.v[layer], a.page_table, a.cu_seqlens, a.kv_lens, self.scale,
+                              block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
+                              max_seqlen_q=a.max_seqlen)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
-
-    def _segment(self, seg: Segment, batch: ForwardBatch, q, k, v, index_q, raw_index_k, out) -> None:
-        kv = batch.kv
-        rows = seg.rows
-        new_rows = kv.rows(seg.page_table, seg.start, seg.end)
-        kv.write(self.layer_idx, new_rows, k[rows], v[rows], None if raw_index_k is None else raw_index_k[rows])
-        keys, values, index_keys = kv.read(self.layer_idx, kv.rows(seg.page_table, 0, seg.end))
-        block_keys = None
-        if self.indexer is not None:
-            block_keys = self.indexer.block_keys(index_keys, self.rotary)
-        positions = batch.positions[rows]
-        for lo in range(0, seg.length, QUERY_TILE):
-            hi = min(lo + QUERY_TILE, seg.length)
-            q_pos = positions[lo:hi]
-            kv_len = int(q_pos[-1]) + 1
-            if self.indexer is None:
-                mask = causal_mask(q_pos, kv_len)
-            else:
-                visible = block_keys[: kv_len // self.indexer.ratio]
-                mask = qsa_token_mask(index_q[rows][lo:hi], visible, q_pos, kv_len,
-                                      self.indexer.ratio, self.indexer.block_topk)
-            out[seg.row0 + lo:seg.row0 + hi] = masked_attention(
-                q[rows][lo:hi], keys[:kv_len], values[:kv_len], mask, self.scale
-            )

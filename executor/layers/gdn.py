@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
-from ...kernels import gdn as gdn_ops
-from ...kernels.conv import causal_conv1d, conv_history
-from ...kernels.norm import gated_rms_norm, l2_norm
-from ..forward_batch import ForwardBatch, Segment
+from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
+from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
+from ...kernels.norm import gated_rms_norm
+from ..forward_batch import ForwardBatch
 from .linear import Linear
 
 
@@ -39,18 +39,12 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.empty(self.head_v_dim), requires_grad=False)
         self.out_proj = Linear(self.value_dim, c.hidden_size)
 
-    def _qkv_heads(self, conv_out: torch.Tensor):
+    def _split_heads(self, conv_out: torch.Tensor):
+        """Raw q, k ``[rows, Hk, dk]`` and v ``[rows, Hv, dv]`` (the kernels l2-normalise q and k)."""
         q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rows = conv_out.shape[:-1]
-        q = q.reshape(*rows, self.num_k_heads, self.head_k_dim).float()
-        k = k.reshape(*rows, self.num_k_heads, self.head_k_dim).float()
-        v = v.reshape(*rows, self.num_v_heads, self.head_v_dim)
-        q, k = l2_norm(q), l2_norm(k)
-        group = self.num_v_heads // self.num_k_heads
-        if group > 1:  # each q/k head serves `group` consecutive value heads
-            q = q.repeat_interleave(group, dim=-2)
-            k = k.repeat_interleave(group, dim=-2)
-        return q, k, v
+        return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.in_proj_qkv(x)
@@ -58,58 +52,48 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        decodes = batch.decode_segments()
-        if decodes:
-            self._decode(qkv, beta, g, core, decodes, batch)
-        for seg in batch.prefill_segments():
-            self._prefill(qkv, beta, g, core, seg, batch)
+        conv_slots = batch.states.gdn_conv[self.layer_idx]
+        rec_slots = batch.states.gdn_state[self.layer_idx]
+        weight = self.conv1d.weight[:, 0, :]
+        d, p = batch.decode, batch.prefill
+        if d.num_rows:
+            conv = causal_conv1d_update(qkv[d.rows], conv_slots, weight, d.slots, d.fresh)
+            q, k, v = self._split_heads(conv)
+            core[d.rows] = gdn_decode(q, k, v, g[d.rows], beta[d.rows], rec_slots, d.slots, d.fresh)
+        if p.num_rows:
+            self._prefill(qkv[p.rows], g[p.rows], beta[p.rows], core[p.rows], conv_slots, rec_slots, weight, batch)
         out = gated_rms_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                              self.norm.weight, self.eps, self.gate_act)
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
-    def _prefill(self, qkv, beta, g, core, seg: Segment, batch: ForwardBatch) -> None:
-        states = batch.states
-        conv_slots, rec_slots = states.gdn_conv[self.layer_idx], states.gdn_state[self.layer_idx]
-        weight = self.conv1d.weight[:, 0, :]
-        rows = seg.rows
-        x = qkv[rows]
-        history = torch.zeros_like(conv_slots[seg.slot]) if seg.fresh else conv_slots[seg.slot].clone()
-        state = None if seg.fresh else rec_slots[seg.slot].clone()
-        q, k, v = self._qkv_heads(causal_conv1d(x, history, weight))
-        # Split the recurrence at every internal export so each checkpoint is the exact state there.
-        bounds = [0, *seg.split_points(), seg.length]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            out, state = gdn_ops.chunk_gated_delta_rule(
-                q[lo:hi], k[lo:hi], v[lo:hi], g[rows][lo:hi], beta[rows][lo:hi], state
-            )
-            core[seg.row0 + lo:seg.row0 + hi] = out
-            for off, dst in seg.exports:
-                if off == hi:
-                    rec_slots[dst].copy_(state)
-                    conv_slots[dst].copy_(conv_history(x, history, off))
-        rec_slots[seg.slot].copy_(state)
-        conv_slots[seg.slot].copy_(conv_history(x, history, seg.length))
+    def _prefill(self, x, g, beta, core, conv_slots, rec_slots, weight, batch: ForwardBatch) -> None:
+        """Prefill rows: conv over every segment at once, then the recurrence wave by wave.
 
-    def _decode(self, qkv, beta, g, core, segs: list[Segment], batch: ForwardBatch) -> None:
-        """One token for each of several requests, batched."""
-        states = batch.states
-        conv_slots, rec_slots = states.gdn_conv[self.layer_idx], states.gdn_state[self.layer_idx]
-        slots = torch.tensor([s.slot for s in segs], device=qkv.device)
-        rows = torch.tensor([s.row0 for s in segs], device=qkv.device)
-        fresh = torch.tensor([s.fresh for s in segs], device=qkv.device)
-        history = conv_slots[slots].masked_fill(fresh[:, None, None], 0)
-        state = rec_slots[slots].masked_fill(fresh[:, None, None, None], 0)
-        x = qkv[rows]
-        weight = self.conv1d.weight[:, 0, :]
-        window = torch.cat([history.to(x.dtype), x.unsqueeze(1)], dim=1).to(weight.dtype)  # [B, k, C]
-        conv = F.silu((window * weight.t().unsqueeze(0)).sum(dim=1)).to(x.dtype)
-        q, k, v = self._qkv_heads(conv)
-        out, state = gdn_ops.recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], state)
-        core[rows] = out
-        new_history = window[:, 1:].to(conv_slots.dtype)
-        rec_slots[slots] = state
-        conv_slots[slots] = new_history
-        for i, seg in enumerate(segs):
-            for _, dst in seg.exports:
-                rec_slots[dst].copy_(state[i])
-                conv_slots[dst].copy_(new_history[i])
+        Waves split a segment's recurrence at its internal checkpoints (see ``forward_batch.Wave``):
+        the state after each piece is exact, never recomputed.
+        """
+        p = batch.prefill
+        conv = causal_conv1d_varlen(x, conv_slots, weight, p.cu_seqlens, p.slots, p.fresh, max_seqlen=p.max_seqlen)
+        # New conv windows (each segment's end, and internal checkpoints) read the old windows:
+        # gather all of them before writing any.
+        first = batch.decode.num_segments
+        seg_index = torch.cat([torch.arange(p.num_segments, device=x.device), batch.export_seg - first])
+        upto = torch.cat([p.lengths, batch.export_off])
+        windows = conv_windows(x, conv_slots, p.cu_seqlens, p.slots, p.fresh, seg_index, upto)
+        conv_slots[torch.cat([p.slots, batch.export_dst])] = windows
+        q, k, v = self._split_heads(conv)
+        state = rec_slots[p.slots].masked_fill(p.fresh[:, None, None, None], 0)
+        for wave in batch.waves:
+            if wave.rows is None:
+                out, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.cu_cpu)
+                core.copy_(out)
+                state = final
+            else:
+                r = wave.rows
+                out, final = gdn_prefill(q[r], k[r], v[r], g[r], beta[r], state[wave.seg], wave.cu_seqlens,
+                                         wave.cu_host, wave.cu_cpu)
+                core[r] = out
+                state[wave.seg] = final
+            if wave.export_dst.numel():
+                rec_slots[wave.export_dst] = final[wave.export_piece]
+        rec_slots[p.slots] = state

@@ -6,7 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...kernels.backend import use_triton
+from ...kernels.hyper_connection import hc_block_input, hc_residual_norm
 from .linear import Linear, RMSNorm
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place write counter of ``t`` (-1 for inference tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 class GatedResidual(nn.Module):
@@ -15,28 +25,87 @@ class GatedResidual(nn.Module):
     The block input is the mean over streams of the grouped-normalised streams, each scaled by a
     low-rank sigmoid gate. Injection weights ``2 * sigmoid(.)`` (one per stream) scale the block
     output added back to every stream. The final mixer has no injection (``use_combine=False``).
+
+    ``forward`` + ``residual`` is the plain form. The fused form splits at the norm instead, so that
+    the residual add of one block and the norm of the next hyper-connection are one pass over ``H``
+    (one Triton kernel on the GPU)::
+
+        normed = layers[0].hc_attn.norm(H)                     # only the very first one
+        x, inj = hc_attn.mix(normed)
+        out = mixer(x)
+        H, normed = hc_mlp.add_and_norm(H, out, inj)           # hc_mlp's own norm weight
+        x, inj = hc_mlp.mix(normed)
+        out = moe(x)
+        H, normed = next_layer.hc_attn.add_and_norm(H, out, inj)
+        ...                                                    # after the last layer:
+        H = GatedResidual.residual(H, out, 2 * sigmoid(inj / hc))   # or the final mixer's add_and_norm
+
+    ``inj`` here are the raw inject logits; ``add_and_norm`` applies ``2 * sigmoid(inj / hc)``.
     """
 
     def __init__(self, hc_count: int, hidden: int, lowrank: int, eps: float, use_combine: bool = True):
         super().__init__()
-        self.hc_count, self.hidden = hc_count, hidden
+        self.hc_count, self.hidden, self.lowrank = hc_count, hidden, lowrank
         width = hc_count * hidden
         self.hc_norm = RMSNorm(width, eps, group_size=hidden)
         self.input_mix_weight_down = Linear(width, lowrank)
         self.input_mix_weight_up = Linear(lowrank, width)
         self.block_inject_weight = Linear(width, hc_count) if use_combine else None
+        # [down; inject] weight for one GEMM over `normed` on the GPU, and what it was built from.
+        self._down_inject: torch.Tensor | None = None
+        self._down_inject_key: tuple | None = None
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        normed = self.hc_norm(streams)
-        mix = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
-        mix = torch.sigmoid(self.input_mix_weight_up(mix)).unflatten(-1, (self.hc_count, self.hidden))
-        block_input = (mix * normed.unflatten(-1, (self.hc_count, self.hidden))).mean(dim=-2)
-        if self.block_inject_weight is None:
+        block_input, logits = self.mix(self.norm(streams))
+        if logits is None:
             return block_input, None
-        inject = 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
-        return block_input, inject
+        return block_input, 2 * torch.sigmoid(logits / self.hc_count)
+
+    def norm(self, streams: torch.Tensor) -> torch.Tensor:
+        """This hyper-connection's grouped RMS norm of ``streams`` (groups of ``hidden``)."""
+        return self.hc_norm(streams)
+
+    def mix(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(block_input [T, hidden], inject_logits [T, hc] or None)`` from already-normalised streams.
+
+        On the GPU the down and inject projections are one GEMM (``normed`` is the biggest operand,
+        read once) and the logits come back as a column slice of its output.
+        """
+        hc = self.hc_count
+        if self.block_inject_weight is not None and use_triton(normed):
+            both = F.linear(normed, self._down_inject_weight())
+            down, logits = both[..., :self.lowrank], both[..., self.lowrank:self.lowrank + hc]
+        else:
+            down = self.input_mix_weight_down(normed)
+            logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
+        up = self.input_mix_weight_up(F.silu(down / hc))
+        return hc_block_input(normed, up, hc), logits
+
+    def add_and_norm(self, streams: torch.Tensor, block_out: torch.Tensor,
+                     inject_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(new_streams, normed)``: the previous block's injected residual, then this module's norm."""
+        return hc_residual_norm(streams, block_out, inject_logits, self.hc_count, self.hc_norm.weight,
+                                self.hc_norm.eps)
 
     @staticmethod
     def residual(streams: torch.Tensor, block_out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         """``H + inject ⊗ block_out``."""
         return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+
+    def _down_inject_weight(self) -> torch.Tensor:
+        """``cat([W_down, W_inject, 0])``, rebuilt when either parameter moves, is replaced or is written in place.
+
+        A plain attribute, not a buffer: it stays out of ``state_dict`` and is not moved by ``.to()``;
+        the key (device, dtype, storage, write counter) notices instead. Build it outside CUDA-graph
+        capture (a warm-up forward does), or its memory would come from the graph's pool.
+        """
+        down, inject = self.input_mix_weight_down.weight, self.block_inject_weight.weight
+        key = (down.device, down.dtype, inject.dtype, down.data_ptr(), inject.data_ptr(),
+               _version(down), _version(inject))
+        if self._down_inject is None or self._down_inject_key != key:
+            # Zero rows up to a multiple of 8 keep the GEMM output's row stride 16-byte aligned in
+            # bf16 (320 + 4 = 324 rows would not be), which cuBLAS' fast kernels want.
+            pad = -(self.lowrank + self.hc_count) % 8
+            self._down_inject = torch.cat([down, inject.to(down.dtype), down.new_zeros(pad, down.shape[1])])
+            self._down_inject_key = key
+        return self._down_inject

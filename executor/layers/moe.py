@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
-from ...kernels.moe import experts_forward, route
+from ...kernels.moe import fused_experts, route
 from .linear import Linear
 
 
@@ -34,8 +34,8 @@ class ResidentExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
 
-    def weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_up_proj[expert], self.down_proj[expert]
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -50,6 +50,6 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        routed = experts_forward(x, ids, weights, self.experts.weights)
+        routed = self.experts(x, ids, weights)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
-from ...kernels.conv import causal_conv1d, conv_history
-from ...kernels.ngram import layer_multipliers, ngram_ids
+from ...kernels.conv import causal_conv1d_varlen, conv_windows
+from ...kernels.ngram import layer_multipliers, ngram_ids_varlen
 from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 
@@ -47,11 +47,9 @@ class NGramEmbedding(nn.Module):
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        ids = []
-        for seg, context in zip(batch.segments, batch.ngram_context):
-            ids.append(ngram_ids(context, batch.input_ids[seg.rows], self.eos, self.layer_multipliers,
-                                 self.ngram_heads_vocab_sizes, self.ngram_heads_offsets, self.heads_per_ngram))
-        rows = torch.cat(ids)
+        rows = ngram_ids_varlen(batch.ngram_context, batch.input_ids, batch.row_segment, batch.all.cu_seqlens,
+                                self.eos, self.layer_multipliers, self.ngram_heads_vocab_sizes,
+                                self.ngram_heads_offsets, self.heads_per_ngram)
         table = self.ngram_embedding.weight
         return table[rows.to(table.device)].to(batch.input_ids.device).flatten(-2)
 
@@ -87,14 +85,12 @@ class PLELayer(nn.Module):
         gated = torch.sigmoid(gate) * value.unsqueeze(-2)
         normed = self.norm_conv(gated.flatten(-2))
         gated = gated.flatten(-2)
-        conv = torch.empty_like(normed)
         windows = batch.states.ple_conv[self.layer_idx]
-        weight = self.conv1d.weight[:, 0, :]
-        for seg in batch.segments:
-            x = normed[seg.rows]
-            history = torch.zeros_like(windows[seg.slot]) if seg.fresh else windows[seg.slot].clone()
-            conv[seg.rows] = causal_conv1d(x, history, weight, dilation=self.dilation)
-            for off, dst in seg.exports:
-                windows[dst].copy_(conv_history(x, history, off))
-            windows[seg.slot].copy_(conv_history(x, history, seg.length))
+        a = batch.all
+        conv = causal_conv1d_varlen(normed, windows, self.conv1d.weight[:, 0, :], a.cu_seqlens, a.slots, a.fresh,
+                                    dilation=self.dilation, max_seqlen=a.max_seqlen, row_segment=batch.row_segment)
+        seg_index = torch.cat([torch.arange(a.num_segments, device=normed.device), batch.export_seg])
+        upto = torch.cat([a.lengths, batch.export_off])
+        new_windows = conv_windows(normed, windows, a.cu_seqlens, a.slots, a.fresh, seg_index, upto)
+        windows[torch.cat([a.slots, batch.export_dst])] = new_windows
         return gated + conv

@@ -34,14 +34,30 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
         self.mlp = SparseMoE(c)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if self.ple is not None:
-            streams = streams + self.ple(streams, batch)
-        block_in, inject = self.attn_hyper_connection(streams)
+    def forward(self, streams: torch.Tensor, pending, batch: ForwardBatch):
+        """One layer over the streams ``H``.
+
+        The residual add of a block and the norm of the next hyper-connection are one pass over
+        ``H`` (``GatedResidual.add_and_norm``), so a layer receives the previous block's output
+        still ``pending`` (``(block_out, inject_logits)``, or ``None`` before the first layer) and
+        hands its own MoE output on the same way. PLE reads the streams themselves, so a PLE layer
+        applies the pending residual first and normalises after adding its embedding.
+        """
+        hc_attn, hc_mlp = self.attn_hyper_connection, self.mlp_hyper_connection
+        if self.ple is not None or pending is None:
+            if pending is not None:
+                inject = 2 * torch.sigmoid(pending[1] / hc_attn.hc_count)
+                streams = GatedResidual.residual(streams, pending[0], inject)
+            if self.ple is not None:
+                streams = streams + self.ple(streams, batch)
+            normed = hc_attn.norm(streams)
+        else:
+            streams, normed = hc_attn.add_and_norm(streams, *pending)
+        block_in, inject = hc_attn.mix(normed)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        streams = GatedResidual.residual(streams, mixer(block_in, batch), inject)
-        block_in, inject = self.mlp_hyper_connection(streams)
-        return GatedResidual.residual(streams, self.mlp(block_in), inject)
+        streams, normed = hc_mlp.add_and_norm(streams, mixer(block_in, batch), inject)
+        block_in, inject = hc_mlp.mix(normed)
+        return streams, (self.mlp(block_in), inject)
 
 
 class Qwen4ExpModel(nn.Module):
@@ -56,12 +72,15 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps,
                                                     use_combine=False)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns the ``hc_count`` residual streams ``[T, hc * hidden]`` after the last layer."""
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The ``hc_count`` residual streams ``[T, hc * hidden]`` before the last layer's MoE residual,
+        and that residual still pending (``(moe_out, inject_logits)``): only the rows that need
+        logits pay for it (:meth:`Qwen4ExpForCausalLM.logits`)."""
         streams = self.embed_tokens(batch.input_ids).repeat(1, self.config.hc_count)
+        pending = None
         for layer in self.layers:
-            streams = layer(streams, batch)
-        return streams
+            streams, pending = layer(streams, pending, batch)
+        return streams, pending
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -71,10 +90,14 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4ExpModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         return self.model(batch)
 
-    def logits(self, streams: torch.Tensor) -> torch.Tensor:
-        """Fold the streams of the rows that need logits and project to the vocabulary."""
-        hidden, _ = self.model.hyper_connection_mixer(streams)
+    def logits(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor],
+               rows: torch.Tensor) -> torch.Tensor:
+        """Finish ``rows`` (the last residual), fold their streams and project to the vocabulary."""
+        out, inject_logits = pending
+        inject = 2 * torch.sigmoid(inject_logits[rows] / self.config.hc_count)
+        final = GatedResidual.residual(streams[rows], out[rows], inject)
+        hidden, _ = self.model.hyper_connection_mixer(final)
         return self.lm_head(hidden)

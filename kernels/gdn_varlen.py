@@ -1,0 +1,88 @@
+"""Gated DeltaNet over a flat batch: varlen chunked prefill and in-place recurrent decode.
+
+On a GPU this is flash-linear-attention's chunked kernel (an optional dependency, imported only for
+CUDA tensors: it breaks other libraries' CPU paths when imported there). Its varlen form takes
+GVA (key heads shared by several value heads), the q/k l2 norm and one initial state per sequence,
+and returns each sequence's final state, which is exactly what tidal's state slots need. Without
+it, for float32, and on the CPU, the torch reference runs one sequence at a time through
+:func:`tidal.kernels.gdn.chunk_gated_delta_rule`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .backend import use_triton
+from .gdn import chunk_gated_delta_rule, gdn_decode_ref
+from .norm import l2_norm
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def _fla_chunk():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError:
+        logger.warning("flash-linear-attention is not installed: GDN prefill runs the torch reference")
+        return None
+    return fla_chunk
+
+
+def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    initial_state: torch.Tensor, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence at a time.
+
+    Args:
+        q, k: ``[T, Hk, dk]`` raw (l2-normalised here, in fp32); v ``[T, Hv, dv]``; g (log decay) and
+            beta ``[T, Hv]``; initial_state ``[N, Hv, dk, dv]`` fp32; cu_seqlens host ints ``[N + 1]``.
+    Returns ``(o [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32)``.
+    """
+    group = v.shape[1] // q.shape[1]
+    q = l2_norm(q.float()).repeat_interleave(group, dim=1)
+    k = l2_norm(k.float()).repeat_interleave(group, dim=1)
+    out = torch.empty_like(v)
+    finals = []
+    for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+        o, state = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], initial_state[i])
+        out[lo:hi] = o
+        finals.append(state)
+    return out, torch.stack(finals)
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                initial_state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: list[int],
+                cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gdn_prefill_ref`'s result.
+
+    ``cu_seqlens`` (int64, on the device) and ``cu_seqlens_cpu`` (int64, on the host) are the same
+    offsets as tensors; passing the same two objects to every layer lets flash-linear-attention
+    reuse its chunk index (it caches on the argument) instead of rebuilding and copying it per layer.
+    """
+    # flash-linear-attention's float32 dots run in tf32: float32 stays on the exact reference.
+    fla_chunk = _fla_chunk() if use_triton(v) and v.dtype != torch.float32 else None
+    if fla_chunk is None:
+        return gdn_prefill_ref(q, k, v, g, beta, initial_state, cu_seqlens_host)
+    cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else torch.tensor(cu_seqlens_host, dtype=torch.long)
+    o, final = fla_chunk(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
+        scale=q.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cpu,
+    )
+    return o[0], final.float()
+
+
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """One token for each of ``B`` sequences, the recurrent state updated in place in its slot.
+
+    Args as :func:`tidal.kernels.gdn.gdn_decode_ref` (q, k raw ``[B, Hk, dk]``).
+    """
+    if use_triton(v):
+        from .gdn_decode_triton import gdn_decode as triton_decode
+
+        return triton_decode(q, k, v, g, beta, state_pool, slots, fresh)
+    return gdn_decode_ref(q, k, v, g, beta, state_pool, slots, fresh)

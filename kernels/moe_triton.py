@@ -1,0 +1,258 @@
+"""Triton fused MoE: the routed experts as two kernels over expert-sorted, block-aligned rows.
+
+Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``). It exists
+for what torch's grouped GEMM does not serve well: fp32/fp16 (the grouped GEMM takes only bf16 on
+CUDA) and small token counts, where every expert sees one or two rows and the work is really a
+weight-streaming GEMV that the grouped GEMM's large tiles waste.
+
+Layout (the well-known "fused MoE" structure):
+
+1. :func:`align_assignments` sorts the ``T*K`` (token, slot) assignments by expert and pads each
+   expert's run to a multiple of ``BLOCK_M`` on the device, so every ``BLOCK_M`` block of
+   ``sorted_ids`` belongs to one expert (``block_expert``). Sizes are host-known upper bounds (no
+   host sync, CUDA-graph friendly); blocks past the real count hold expert ``-1`` and their programs
+   return at once.
+2. ``_gate_up_kernel``, grid ``(max_blocks, cdiv(I, BLOCK_N))``: a program gathers its block's ``x``
+   rows and accumulates the gate tile (columns ``n``) and the up tile (columns ``n + I``) of its
+   expert's ``gate_up`` side by side, so ``silu(gate) * up`` is formed in the epilogue and only the
+   ``[max_padded, I]`` activation reaches memory, in ``x``'s dtype.
+3. ``_down_kernel``, grid ``(max_blocks, cdiv(H, BLOCK_N))``: the activation rows times the expert's
+   ``down``, scaled by the assignment's routing weight, written to ``per_slot[assignment]``
+   (``[T*K, H]``). The ``K`` slots of a token are then summed in fp32 in a fixed order: deterministic,
+   no atomics.
+
+The M-block index is grid axis 0 (no 65535 limit, and consecutive programs usually share an expert,
+so its weight tiles are reused from L2); dead blocks sit at the end of the grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile and launch parameters of one of the two kernels (``block_n`` over its output columns)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """``block_m`` is shared: both kernels walk the same aligned ``sorted_ids``."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+
+# (largest token count T, config), first match wins. Picked for the H200 at hidden 2048, intermediate
+# 512, 512 experts, top-10 (average rows per expert = T * 10 / 512), not yet measured: decode
+# (T <= 32, each expert ~1 row) streams weights with narrow N tiles so there are enough programs to
+# fill the SMs; prefill uses 64/128-row tiles once experts hold tens of rows.
+CONFIGS: tuple[tuple[int, MoeConfig], ...] = (
+    (32, MoeConfig(16, GemmConfig(32, 128, 4, 4), GemmConfig(64, 128, 4, 3))),
+    (256, MoeConfig(16, GemmConfig(64, 64, 4, 4), GemmConfig(64, 64, 4, 4))),
+    (1024, MoeConfig(32, GemmConfig(64, 64, 4, 4), GemmConfig(128, 64, 4, 4))),
+    (8192, MoeConfig(64, GemmConfig(64, 64, 4, 3), GemmConfig(128, 64, 8, 4))),
+    (1 << 62, MoeConfig(128, GemmConfig(64, 64, 8, 3), GemmConfig(128, 64, 8, 3))),
+)
+
+# Shared memory the pipelined operand buffers may take (the H200 allows ~227 KiB a block; the rest is
+# left for the epilogue's layout conversions). fp32 tiles are cut down to fit it.
+_SMEM_BUDGET = 160 * 1024
+
+
+def pick_config(tokens: int) -> MoeConfig:
+    """The :data:`CONFIGS` row for ``tokens`` tokens."""
+    for limit, config in CONFIGS:
+        if tokens <= limit:
+            return config
+    return CONFIGS[-1][1]
+
+
+def _fit(gemm: GemmConfig, block_m: int, n_dim: int, k_dim: int, b_tiles: int, elem_size: int) -> GemmConfig:
+    """Clamp a config to the problem (tiles no wider than the next power of two of the dimension, at
+    least 16 for ``tl.dot``) and to the shared-memory budget (fewer stages, then a shorter K tile)."""
+    block_n = min(gemm.block_n, max(16, triton.next_power_of_2(n_dim)))
+    block_k = min(gemm.block_k, max(16, triton.next_power_of_2(k_dim)))
+    stages = gemm.num_stages
+
+    def smem() -> int:
+        return stages * (block_m * block_k + b_tiles * block_k * block_n) * elem_size
+
+    while smem() > _SMEM_BUDGET and stages > 2:
+        stages -= 1
+    while smem() > _SMEM_BUDGET and block_k > 16:
+        block_k //= 2
+    return GemmConfig(block_n, block_k, gemm.num_warps, stages)
+
+
+def _bounds(assignments: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """``(max_blocks, max_padded)`` from shapes only: each non-empty expert (at most
+    ``min(E, T*K)`` of them) pads by under ``block_m`` rows, and never has more blocks than rows."""
+    used = min(num_experts, assignments)
+    max_blocks = min(assignments, triton.cdiv(assignments + used * (block_m - 1), block_m))
+    return max_blocks, max_blocks * block_m
+
+
+def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert-sorted, ``block_m``-padded assignment order, computed on the device without a host sync.
+
+    Returns ``sorted_ids [max_padded]`` (int32 assignment ``t*K + k``, or the sentinel ``T*K`` in
+    padding) and ``block_expert [max_blocks]`` (int32 expert of each block, ``-1`` past the last real
+    block). Within an expert, assignments keep their flat order (stable sort).
+    """
+    assignments = ids.numel()
+    device = ids.device
+    max_blocks, max_padded = _bounds(assignments, num_experts, block_m)
+    flat = ids.reshape(-1).long()
+    # Not bincount: on CUDA it reads the largest id back to size its output (a host sync).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(assignments, device=device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = (pad_end - padded)[expert_of] + rank
+    sorted_ids = torch.full((max_padded,), assignments, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(max_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_start < pad_end[-1:], block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
+    num_assign, hidden, inter,
+    sx_t, sx_h, sw_e, sw_n, sw_h, so_m, so_n,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the real blocks
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    valid = assign < num_assign
+    token = (assign // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * sx_t + ks[None, :] * sx_h
+    g_ptrs = w_ptr + expert.to(tl.int64) * sw_e + cols.to(tl.int64)[None, :] * sw_n + ks[:, None] * sw_h
+    u_ptrs = g_ptrs + inter * sw_n  # up rows follow the I gate rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        kmask = ks < hidden - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        b_mask = kmask[:, None] & cmask[None, :]
+        g = tl.load(g_ptrs, mask=b_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=b_mask, other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K * sx_h
+        g_ptrs += BLOCK_K * sw_h
+        u_ptrs += BLOCK_K * sw_h
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr, rw_ptr,
+    num_assign, hidden, inter,
+    sa_m, sa_i, sw_e, sw_h, sw_i, so_a, so_h,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # past the real blocks
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ids_ptr + rows)
+    valid = assign < num_assign
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * sa_m + ks[None, :] * sa_i
+    b_ptrs = w_ptr + expert.to(tl.int64) * sw_e + cols.to(tl.int64)[None, :] * sw_h + ks[:, None] * sw_i
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(inter, BLOCK_K)):
+        kmask = ks < inter - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * sa_i
+        b_ptrs += BLOCK_K * sw_i
+    rw = tl.load(rw_ptr + assign, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    out_ptrs = out_ptr + assign.to(tl.int64)[:, None] * so_a + cols[None, :] * so_h
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """Triton form of :func:`tidal.kernels.moe.fused_experts_ref` (same arguments and result).
+
+    x ``[T, H]``; ids, weights ``[T, K]`` (weights in x's dtype); gate_up ``[E, 2I, H]`` (gate rows
+    first); down ``[E, H, I]``; all of one float dtype (fp32, bf16 or fp16). ``config`` overrides the
+    :data:`CONFIGS` row picked by the token count. Three launches plus the alignment's torch ops; no
+    host sync.
+    """
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
+    assert gate_up.dtype == down.dtype == x.dtype
+    assignments = tokens * top_k
+    if assignments == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_config(tokens)
+    block_m = cfg.block_m
+    elem = x.element_size()
+    cfg_a = _fit(cfg.gate_up, block_m, inter, hidden, 2, elem)
+    cfg_b = _fit(cfg.down, block_m, hidden, inter, 1, elem)
+    ieee = x.dtype == torch.float32
+    sorted_ids, block_expert = align_assignments(ids, num_experts, block_m)
+    max_blocks = block_expert.shape[0]
+    act = torch.empty((sorted_ids.shape[0], inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(max_blocks, triton.cdiv(inter, cfg_a.block_n))](
+        x, gate_up, act, sorted_ids, block_expert,
+        assignments, hidden, inter,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        act.stride(0), act.stride(1),
+        TOP_K=top_k, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=cfg_a.block_n, BLOCK_K=cfg_a.block_k,
+        num_warps=cfg_a.num_warps, num_stages=cfg_a.num_stages,
+    )
+    per_slot = torch.empty((assignments, hidden), dtype=x.dtype, device=x.device)
+    _down_kernel[(max_blocks, triton.cdiv(hidden, cfg_b.block_n))](
+        act, down, per_slot, sorted_ids, block_expert, weights.reshape(-1).contiguous(),
+        assignments, hidden, inter,
+        act.stride(0), act.stride(1), down.stride(0), down.stride(1), down.stride(2),
+        per_slot.stride(0), per_slot.stride(1),
+        IEEE=ieee, BLOCK_M=block_m, BLOCK_N=cfg_b.block_n, BLOCK_K=cfg_b.block_k,
+        num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
+    )
+    return per_slot.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,113 @@
+"""Triton RMSNorm kernels: the same numbers as ``norm.rms_norm_ref`` / ``norm.gated_rms_norm_ref``.
+
+Each program normalises a tile of ``BLOCK_R`` rows (groups, for the grouped norm) of one ``BLOCK_N``
+block each: narrow rows (a 128-wide head) share a program so it still moves a few KB, wide rows
+(hc 4 x hidden 2048 = 8192) take one program per group. Statistics are fp32 and the output is in
+x's dtype; intermediate roundings of the references are reproduced so bf16 results match them to
+the last bit but for the odd ``rsqrt``/``sigmoid`` ulp.
+
+Imported only when a CUDA tensor asks (``backend.use_triton``) or by the interpreter tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .norm import gated_rms_norm_ref, rms_norm_ref
+
+MAX_WIDTH = 16384  # widest row (or group) normalised in registers; wider ones take the reference
+
+
+def _tile(width: int, rows: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_N, num_warps)``: about 4K elements a program, more warps for wide rows."""
+    block_n = triton.next_power_of_2(width)
+    block_r = max(1, min(64, 4096 // block_n, triton.next_power_of_2(max(rows, 1))))
+    num_warps = min(16, max(4, block_r * block_n // 1024))
+    return block_r, block_n, num_warps
+
+
+def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as ``[rows, width]`` with unit feature stride (a view when it can be one)."""
+    t2 = t.reshape(-1, width)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, groups, group, stride_x, stride_o, eps,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # "Rows" here are groups: group-row r is features [(r % groups) * group, +group) of row r // groups.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    row = rows // groups
+    feat = ((rows % groups) * group)[:, None] + cols[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < group)[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + feat, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / group + eps)
+    w = tl.load(w_ptr + feat, mask=mask, other=0.0).to(tl.float32)
+    y = x * inv[:, None] * (1.0 + w)
+    tl.store(out_ptr + row[:, None] * stride_o + feat, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, width, stride_x, stride_g, stride_o, eps,
+                           SILU: tl.constexpr, ROUND_MID: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < width
+    mask = (rows < n_rows)[:, None] & cmask[None, :]
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    h = (x * inv[:, None]).to(dt).to(tl.float32)  # the reference rounds h to x's dtype here
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    h = h * w[None, :]
+    if ROUND_MID:  # weight and x share a sub-fp32 dtype: the reference's product is rounded too
+        h = h.to(dt).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SILU:
+        a = g * tl.sigmoid(g)
+    else:
+        a = tl.sigmoid(g)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (h * a).to(dt), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    """:func:`~tidal.kernels.norm.rms_norm_ref` in one pass: ``x / rms(x) * (1 + weight)`` per group."""
+    width = x.shape[-1]
+    group = width if group_size is None else group_size
+    if group <= 0 or width % group:
+        raise ValueError(f"group_size {group_size} does not divide the width {width}")
+    if group > MAX_WIDTH:
+        return rms_norm_ref(x, weight, eps, group_size)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2 = _rows(x, width)
+    n = x2.shape[0] * (width // group)
+    if n == 0:
+        return out
+    block_r, block_n, num_warps = _tile(group, n)
+    _rms_norm_kernel[(triton.cdiv(n, block_r),)](
+        x2, weight.contiguous(), out, n, width // group, group, x2.stride(0), width, float(eps),
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
+    return out
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          activation: str = "silu") -> torch.Tensor:
+    """:func:`~tidal.kernels.norm.gated_rms_norm_ref` in one pass: ``weight * x / rms(x) * act(gate)``."""
+    width = x.shape[-1]
+    if width > MAX_WIDTH or gate.shape != x.shape:
+        return gated_rms_norm_ref(x, gate, weight, eps, activation)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x2, g2 = _rows(x, width), _rows(gate, width)
+    n = x2.shape[0]
+    if n == 0:
+        return out
+    round_mid = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
+    block_r, block_n, num_warps = _tile(width, n)
+    _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
+        x2, g2, weight.contiguous(), out, n, width, x2.stride(0), g2.stride(0), width, float(eps),
+        SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
+    return out

@@ -1,0 +1,201 @@
+"""bf16 against float32 on one device: teacher-forced agreement, and greedy ids that chunking and a
+prefix-cache hit must not change.
+
+    python scripts/numerics_check.py --out DIR [--preset small] [--tokens 2048] [--device cuda]
+        [--chunk 1000] [--greedy-tokens 32]
+
+The preset is written with seeded weights (``write_checkpoint(preset, dir, seed=0)``); the prompt is
+``--tokens`` ids drawn with ``torch.Generator().manual_seed(0)`` from [1000, 240000), with the config's
+EOS id in the middle (n-gram history resets there).
+
+Gates (the seed write-up's teacher-forced protocol, fp32 as the baseline):
+
+* ``top1_agreement``: over positions whose fp32 top-2 log-prob margin is >= 0.2 nats, the share where
+  the bf16 argmax equals the fp32 argmax; >= 0.99 (and at least one such position);
+* ``mean_abs_nll_diff``: mean over positions of |NLL_bf16 - NLL_fp32| of the next prompt token; <= 0.02;
+* ``greedy_ids_equal``: in bf16, ``--greedy-tokens`` greedy ids (``ignore_eos``) of the cold prompt equal
+  those with ``max_prefill_length=--chunk`` and those of the same prompt run again on the cold run's
+  LLM, which hits the prefix cache (its ``cached_tokens`` counter is reported and must be > 0 when the
+  scheduler exposes counters).
+
+Prints PASS/FAIL per gate, writes ``DIR/numerics_check.json``, exits 1 when a gate fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from tidal import LLM
+from tidal.config import ModelConfig
+from tidal.executor.presets import write_checkpoint
+
+MARGIN = 0.2
+MIN_AGREEMENT = 0.99
+MAX_NLL_DIFF = 0.02
+ROWS = 256  # log-softmax rows at a time: [ROWS, vocab] fp32 stays small
+
+
+def build_prompt(config: ModelConfig, tokens: int) -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 240000, (tokens,), generator=gen)
+    if config.eos_token_ids:
+        ids[tokens // 2] = config.eos_token_ids[0]
+    return ids.tolist()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def score(ckpt: str, device: str, dtype: str, prompt: list[int]) -> torch.Tensor:
+    llm = LLM(ckpt, device=device, dtype=dtype)
+    try:
+        return llm.score(prompt)
+    finally:
+        del llm
+        free(device)
+
+
+def score_fp32(ckpt: str, device: str, prompt: list[int]) -> tuple[torch.Tensor, str]:
+    """The fp32 baseline on the device's default kernels; if those refuse fp32 (flash-linear-attention
+    does), on the torch references (``TIDAL_KERNELS=torch``), and the JSON says which."""
+    try:
+        return score(ckpt, device, "float32", prompt), "default"
+    except Exception as e:
+        if not device.startswith("cuda"):
+            raise
+        reason = f"{type(e).__name__}: {e}"[:300]
+        print(f"fp32 on the default kernels failed ({reason}); fp32 baseline on TIDAL_KERNELS=torch", flush=True)
+    free(device)  # the failed model was still referenced by the exception's traceback
+    previous = os.environ.get("TIDAL_KERNELS")
+    os.environ["TIDAL_KERNELS"] = "torch"
+    try:
+        return score(ckpt, device, "float32", prompt), f"torch (default failed: {reason})"
+    finally:
+        if previous is None:
+            os.environ.pop("TIDAL_KERNELS", None)
+        else:
+            os.environ["TIDAL_KERNELS"] = previous
+
+
+def compare_logits(ref: torch.Tensor, test: torch.Tensor, prompt: list[int]) -> dict[str, Any]:
+    """Teacher-forced comparison of two ``[L, vocab]`` logit tensors (row i predicts token i + 1)."""
+    target = torch.tensor(prompt[1:], dtype=torch.long)
+    nll_ref, nll_test, margins, agree = [], [], [], []
+    for lo in range(0, ref.shape[0], ROWS):
+        a = torch.log_softmax(ref[lo:lo + ROWS].float(), dim=-1)
+        b = torch.log_softmax(test[lo:lo + ROWS].float(), dim=-1)
+        top2 = a.topk(2, dim=-1).values
+        margins.append(top2[:, 0] - top2[:, 1])
+        agree.append(a.argmax(dim=-1) == b.argmax(dim=-1))
+        rows = torch.arange(lo, min(lo + ROWS, ref.shape[0] - 1))
+        if rows.numel():
+            nll_ref.append(-a[rows - lo, target[rows]])
+            nll_test.append(-b[rows - lo, target[rows]])
+    margin, same = torch.cat(margins), torch.cat(agree)
+    diff = (torch.cat(nll_test) - torch.cat(nll_ref)).abs()
+    strong = margin >= MARGIN
+    count = int(strong.sum())
+    return {
+        "positions": int(ref.shape[0]),
+        "mean_abs_nll_diff": float(diff.mean()),
+        "max_abs_nll_diff": float(diff.max()),
+        "mean_nll_fp32": float(torch.cat(nll_ref).mean()),
+        "mean_nll_bf16": float(torch.cat(nll_test).mean()),
+        "margin_threshold": MARGIN,
+        "strong_margin_positions": count,
+        "top1_agreement": float(same[strong].float().mean()) if count else None,
+        "top1_agreement_all_positions": float(same.float().mean()),
+        "max_abs_logit_diff": float((ref - test).abs().max()),
+    }
+
+
+def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -> dict[str, Any]:
+    """bf16 greedy ids: cold, chunked, and the same prompt again after the cold run (a cache hit)."""
+    llm = LLM(ckpt, device=device, dtype="bfloat16")
+    cold = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
+    counters = getattr(llm.scheduler, "counters", None)
+    before = dict(counters) if isinstance(counters, dict) else None
+    cached = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
+    hit = None
+    if before is not None and "cached_tokens" in counters:
+        hit = int(counters["cached_tokens"] - before.get("cached_tokens", 0))
+    del llm
+    free(device)
+    llm = LLM(ckpt, device=device, dtype="bfloat16", max_prefill_length=chunk)
+    chunked = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
+    del llm
+    free(device)
+    return {"cold": cold, "chunked": chunked, "cached": cached, "chunk": chunk, "cached_tokens": hit}
+
+
+def gate(name: str, value: Any, threshold: str, ok: bool) -> dict[str, Any]:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {value} ({threshold})", flush=True)
+    return {"name": name, "value": value, "threshold": threshold, "pass": ok}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for numerics_check.json")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--chunk", type=int, default=1000, help="max_prefill_length of the chunked greedy run")
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ns = ap.parse_args(argv)
+    # The fp32 baseline is exact fp32: no TF32 in matmuls or cuDNN convs.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.makedirs(ns.out, exist_ok=True)
+    path = os.path.join(ns.out, "numerics_check.json")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tidal-numerics-") as ckpt:
+        write_checkpoint(ns.preset, ckpt, seed=0)
+        config = ModelConfig.from_file(ckpt)
+        prompt = build_prompt(config, ns.tokens)
+        fp32, fp32_kernels = score_fp32(ckpt, ns.device, prompt)
+        bf16 = score(ckpt, ns.device, "bfloat16", prompt)
+        forced = compare_logits(fp32, bf16, prompt)
+        forced["fp32_kernels"] = fp32_kernels
+        del fp32, bf16
+        ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
+
+    agreement, count = forced["top1_agreement"], forced["strong_margin_positions"]
+    same = ids["cold"] == ids["chunked"] == ids["cached"]
+    hit_ok = ids["cached_tokens"] is None or ids["cached_tokens"] > 0
+    gates = [
+        gate("top1_agreement", agreement, f">= {MIN_AGREEMENT} over {count} positions with fp32 margin >= {MARGIN}",
+             agreement is not None and agreement >= MIN_AGREEMENT),
+        gate("mean_abs_nll_diff", forced["mean_abs_nll_diff"], f"<= {MAX_NLL_DIFF} nats",
+             math.isfinite(forced["mean_abs_nll_diff"]) and forced["mean_abs_nll_diff"] <= MAX_NLL_DIFF),
+        gate("greedy_ids_equal", same, f"cold == chunked ({ns.chunk}) == prefix-cache hit "
+             f"({ids['cached_tokens']} cached tokens)", same and hit_ok),
+    ]
+    passed = all(g["pass"] for g in gates)
+    results = {
+        "meta": {"script": "scripts/numerics_check.py", "preset": ns.preset, "tokens": ns.tokens,
+                 "device": ns.device, "device_name": torch.cuda.get_device_name(ns.device)
+                 if ns.device.startswith("cuda") else "cpu", "torch": torch.__version__,
+                 "seconds": time.monotonic() - t0},
+        "teacher_forced": forced, "greedy": ids, "gates": gates, "pass": passed,
+    }
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"{'PASS' if passed else 'FAIL'}: wrote {path}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""The device measurement scripts run end to end on the CPU with the tiny preset, so they cannot rot.
+
+The numbers are CPU numbers and the numerics gates may pass or fail here; what is checked is that every
+section ran, wrote its fields with sane values, and that the FLOP model agrees with a hand count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tidal.executor.presets import preset_config
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def run_script(name: str, *args: str, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TIKTOKEN_CACHE_DIR": ""})
+    assert proc.returncode in ok_codes, (
+        f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_bench_forward_runs_on_cpu(tmp_path):
+    lengths = [32, 64]
+    proc = run_script("bench_forward.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                      "--dtype", "float32", "--lengths", ",".join(map(str, lengths)), "--decode-batches", "1,2",
+                      "--decode-context", "16", "--decode-steps", "2", "--no-peer", "--kernels",
+                      "--kernel-tokens", "64", "--kernel-batch", "2", "--kernel-context", "128")
+    assert "prefill (one cold forward" in proc.stdout
+    res = json.loads((tmp_path / "bench_forward.json").read_text())
+
+    assert res["peak"]["flops_per_s"] > 0 and res["bandwidth"]["bytes_per_s"] > 0
+    assert res["meta"]["preset"] == "tiny" and res["meta"]["versions"]["torch"]
+
+    # One projection term and the routed experts, counted by hand from the preset's raw numbers.
+    raw = preset_config("tiny")
+    hidden, layers = raw["hidden_size"], raw["num_hidden_layers"]
+    n_gdn = raw["layer_types"].count("linear_attention")
+    conv_dim = (2 * raw["linear_num_key_heads"] * raw["linear_key_head_dim"]
+                + raw["linear_num_value_heads"] * raw["linear_value_head_dim"])
+    assert [r["tokens"] for r in res["prefill"]] == lengths
+    for row in res["prefill"]:
+        length, terms = row["tokens"], row["flops_terms"]
+        assert terms["gdn.in_proj_qkv"] == 2 * length * n_gdn * hidden * conv_dim
+        assert terms["moe.routed"] == (2 * length * layers * raw["num_experts_per_tok"] * 3 * hidden
+                                       * raw["moe_intermediate_size"])
+        assert terms["head.lm_head"] == 2 * hidden * raw["vocab_size"]  # the sampled row only
+        assert row["flops"] == sum(terms.values())
+        assert row["tok_s"] > 0 and row["ms"] > 0 and 0 < row["mfu"] < 10
+        assert math.isclose(row["tok_s"], length / (row["ms"] / 1e3), rel_tol=1e-6)
+
+    assert [r["batch"] for r in res["decode"]] == [1, 2]
+    for row in res["decode"]:
+        assert row["tok_s"] > 0 and len(row["steps_ms"]) == 2
+        assert row["floor_bytes"] == sum(row["floor_bytes_terms"].values()) > 0
+        assert 0 < row["floor_fraction"] < 10
+    # More requests touch more experts; the dense weights are read once whatever the batch.
+    one, two = (r["floor_bytes_terms"] for r in res["decode"])
+    assert two["weights.routed_experts"] > one["weights.routed_experts"]
+    assert two["weights.dense"] == one["weights.dense"]
+
+    statuses = {"ok", "missing", "error", "oom", "n/a"}
+    assert len(res["kernels"]) >= 10
+    for row in res["kernels"]:
+        assert row["bytes"] > 0 and row["floor_ms"] > 0
+        for impl in ("fast", "ref", "library"):
+            assert row[impl]["status"] in statuses, row
+            if row[impl]["status"] == "ok":
+                assert row[impl]["ms"] > 0 and row[impl]["roofline"] > 0
+    assert any(row["ref"]["status"] == "ok" for row in res["kernels"])
+    assert res["peer_ratio"] is None and "peer" not in res
+
+
+def test_numerics_check_runs_on_cpu(tmp_path):
+    run_script("numerics_check.py", "--out", str(tmp_path), "--preset", "tiny", "--tokens", "128", "--device", "cpu",
+               "--chunk", "50", "--greedy-tokens", "4", ok_codes=(0, 1))  # 1: a gate failed, which CPU may do
+    res = json.loads((tmp_path / "numerics_check.json").read_text())
+    forced = res["teacher_forced"]
+    assert forced["positions"] == 128
+    assert 0 <= forced["strong_margin_positions"] <= 128
+    if forced["top1_agreement"] is not None:
+        assert 0 <= forced["top1_agreement"] <= 1
+    assert 0 <= forced["top1_agreement_all_positions"] <= 1
+    assert math.isfinite(forced["mean_abs_nll_diff"]) and forced["mean_abs_nll_diff"] >= 0
+    assert forced["mean_nll_fp32"] > 0
+    greedy = res["greedy"]
+    assert all(len(greedy[k]) == 4 for k in ("cold", "chunked", "cached"))
+    assert greedy["cached_tokens"] is None or greedy["cached_tokens"] > 0
+    assert [g["name"] for g in res["gates"]] == ["top1_agreement", "mean_abs_nll_diff", "greedy_ids_equal"]
+    assert res["pass"] == all(g["pass"] for g in res["gates"])

@@ -1,0 +1,275 @@
+"""Varlen causal conv1d over state slots and the fused GDN decode step: references and Triton kernels.
+
+The torch references are proven against the per-sequence oracles (``causal_conv1d``, ``conv_history``,
+``recurrent_gated_delta_rule``); the Triton kernels are compared with the references. Without a GPU
+the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, fp32 only, small shapes); with one,
+the same small-shape tests run compiled on it, and the ``gpu``-marked tests add model shapes in bf16
+and fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of triton; on a GPU machine the kernels run compiled instead.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from tidal.kernels import conv as conv_ops  # noqa: E402
+from tidal.kernels import conv_triton, gdn_decode_triton  # noqa: E402
+from tidal.kernels.conv import causal_conv1d, conv_history  # noqa: E402
+from tidal.kernels.gdn import gdn_decode_ref, recurrent_gated_delta_rule  # noqa: E402
+from tidal.kernels.norm import l2_norm  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = [1, 2, 5, 37, 1]
+FRESH = [False, True, False, False, True]
+SLOTS = [6, 1, 3, 0, 4]  # pool of 8 slots; 2, 5 and 7 are nobody's
+CONV_SHAPES = [(4, 1), (4, 3), (3, 1), (2, 1)]  # (kernel size, dilation)
+
+
+def _segments(lengths, slots, fresh, device):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return cu, torch.tensor(slots, device=device), torch.tensor(fresh, device=device)
+
+
+def _conv_case(kernel_size, dilation, channels, dtype, device, lengths=LENGTHS, slots=SLOTS, fresh=FRESH,
+               num_slots=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = (kernel_size - 1) * dilation
+    total = sum(lengths)
+    x = torch.randn(total, channels, generator=gen).to(device, dtype)
+    states = torch.randn(num_slots, width, channels, generator=gen).to(device, dtype)
+    weight = (torch.randn(channels, kernel_size, generator=gen) * 0.5).to(device, dtype)
+    return (x, states, weight, *_segments(lengths, slots, fresh, device))
+
+
+def _per_segment(x, states, weight, cu, slots, fresh, dilation, silu):
+    """The oracle: the single-sequence conv, one segment at a time."""
+    outs = []
+    for i in range(slots.shape[0]):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        if hi == lo:  # F.conv1d rejects an input shorter than the kernel
+            continue
+        history = torch.zeros_like(states[0]) if bool(fresh[i]) else states[int(slots[i])]
+        outs.append(causal_conv1d(x[lo:hi], history, weight, dilation, silu))
+    return torch.cat(outs)
+
+
+def _assert_matches_oracle(out, expect, silu):
+    """The conv is bit-identical; CPU silu may round 1 ulp differently between its vectorised and
+    scalar paths (which one runs depends on the tensor's length), so silu outputs get float32 eps."""
+    if silu:
+        torch.testing.assert_close(out, expect, atol=1e-7, rtol=2e-7)
+    else:
+        assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
+@pytest.mark.parametrize("silu", [True, False])
+def test_varlen_reference_matches_per_segment_conv(kernel_size, dilation, silu):
+    x, states, weight, cu, slots, fresh = _conv_case(kernel_size, dilation, 24, torch.float32, "cpu")
+    before = states.clone()
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation, silu)
+    _assert_matches_oracle(ref, _per_segment(x, states, weight, cu, slots, fresh, dilation, silu), silu)
+    assert torch.equal(states, before)  # pure
+    # A precomputed row_segment and the dispatcher (CPU: the reference) give the same.
+    seg = conv_ops.row_segments(cu, x.shape[0])
+    assert torch.equal(seg.long(), torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS)))
+    assert torch.equal(conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, silu,
+                                                     max_seqlen=37, row_segment=seg), ref)
+
+
+def test_varlen_reference_with_empty_segment():
+    x, states, weight, cu, slots, fresh = _conv_case(4, 3, 8, torch.float32, "cpu", lengths=[3, 0, 4],
+                                                     slots=[2, 5, 0], fresh=[False, False, True])
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, 3)
+    _assert_matches_oracle(ref, _per_segment(x, states, weight, cu, slots, fresh, 3, True), True)
+
+
+@pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
+def test_conv_windows_match_conv_history(kernel_size, dilation):
+    x, states, weight, cu, slots, fresh = _conv_case(kernel_size, dilation, 24, torch.float32, "cpu")
+    seg_index, upto = [], []
+    for i, length in enumerate(LENGTHS):
+        for off in sorted({0, 1, length // 2, length - 1, length} & set(range(length + 1))):
+            seg_index.append(i)
+            upto.append(off)
+    windows = conv_ops.conv_windows(x, states, cu, slots, fresh, torch.tensor(seg_index), torch.tensor(upto))
+    for m, (i, off) in enumerate(zip(seg_index, upto)):
+        lo, hi = int(cu[i]), int(cu[i + 1])
+        history = torch.zeros_like(states[0]) if FRESH[i] else states[SLOTS[i]]
+        assert torch.equal(windows[m], conv_history(x[lo:hi], history, off)), (i, off)
+
+
+@pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
+def test_update_reference_matches_one_row_segments(kernel_size, dilation):
+    """A decode step equals a batch of one-row segments, and its windows equal ``conv_history``."""
+    slots, fresh = [5, 0, 3, 6], [False, True, False, False]
+    x, states, weight, cu, slots_t, fresh_t = _conv_case(kernel_size, dilation, 24, torch.float32, "cpu",
+                                                         lengths=[1] * 4, slots=slots, fresh=fresh)
+    expect_out = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots_t, fresh_t, dilation)
+    expect_win = conv_ops.conv_windows(x, states, cu, slots_t, fresh_t, torch.arange(4), torch.ones(4, dtype=int))
+    pool = states.clone()
+    out = conv_ops.causal_conv1d_update_ref(x, pool, weight, slots_t, fresh_t, dilation)
+    _assert_matches_oracle(out, expect_out, silu=True)
+    assert torch.equal(pool[slots_t], expect_win)
+    others = [s for s in range(8) if s not in slots]
+    assert torch.equal(pool[others], states[others])
+
+
+@pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
+def test_varlen_kernel_matches_reference(kernel_size, dilation):
+    # 200 channels: two channel blocks, the second partial; 46 rows: a partial row block.
+    x, states, weight, cu, slots, fresh = _conv_case(kernel_size, dilation, 200, torch.float32, DEV)
+    before = states.clone()
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation)
+    out = conv_triton.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states, before)
+    bare = conv_triton.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, silu=False,
+                                            row_segment=conv_ops.row_segments(cu, x.shape[0]).long())
+    torch.testing.assert_close(bare, conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh,
+                                                                      dilation, silu=False), atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_kernel_strided_input():
+    """``x`` as a column slice of a wider projection (as GDN's qkv may arrive) and int32 slots."""
+    x, states, weight, cu, slots, fresh = _conv_case(4, 3, 40, torch.float32, DEV)
+    wide = torch.randn(x.shape[0], 64, device=DEV)
+    wide[:, 8:48] = x
+    view = wide[:, 8:48]
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, 3)
+    out = conv_triton.causal_conv1d_varlen(view, states, weight, cu, slots.int(), fresh, 3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
+def test_update_kernel_matches_reference(kernel_size, dilation):
+    slots, fresh = [5, 0, 3, 6], [False, True, False, False]
+    x, states, weight, _, slots_t, fresh_t = _conv_case(kernel_size, dilation, 200, torch.float32, DEV,
+                                                        lengths=[1] * 4, slots=slots, fresh=fresh)
+    pool_ref, pool_ker = states.clone(), states.clone()
+    ref = conv_ops.causal_conv1d_update_ref(x, pool_ref, weight, slots_t, fresh_t, dilation)
+    out = conv_triton.causal_conv1d_update(x, pool_ker, weight, slots_t, fresh_t, dilation)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool_ker, pool_ref)  # shifted windows identical, other slots untouched
+    others = [s for s in range(8) if s not in slots]
+    assert torch.equal(pool_ker[others], states[others])
+
+
+# --------------------------------------------------------------------------------------------------
+# GDN decode
+# --------------------------------------------------------------------------------------------------
+
+
+def _gdn_inputs(batch, k_heads, v_heads, dk, dv, dtype, device, gen):
+    q = torch.randn(batch, k_heads, dk, generator=gen).to(device, dtype) * 3  # raw: not unit norm
+    k = torch.randn(batch, k_heads, dk, generator=gen).to(device, dtype)
+    v = torch.randn(batch, v_heads, dv, generator=gen).to(device, dtype)
+    g = -torch.rand(batch, v_heads, generator=gen).to(device) * 0.5  # fp32 log decay
+    beta = torch.rand(batch, v_heads, generator=gen).to(device, dtype)
+    return q, k, v, g, beta
+
+
+def test_gdn_decode_reference_matches_recurrent_rule():
+    gen = torch.Generator().manual_seed(1)
+    batch, k_heads, v_heads, dk, dv = 3, 2, 4, 12, 40
+    q, k, v, g, beta = _gdn_inputs(batch, k_heads, v_heads, dk, dv, torch.float32, "cpu", gen)
+    pool = torch.randn(6, v_heads, dk, dv, generator=gen)
+    slots, fresh = torch.tensor([4, 0, 2]), torch.tensor([False, True, False])
+    before = pool.clone()
+    out = gdn_decode_ref(q, k, v, g, beta, pool, slots, fresh)
+    qe = l2_norm(q.float()).repeat_interleave(2, dim=1)  # value head h reads key head h // 2
+    ke = l2_norm(k.float()).repeat_interleave(2, dim=1)
+    state = before[slots].clone()
+    state[1] = 0
+    expect_out, expect_state = recurrent_gated_delta_rule(qe, ke, v, g, beta, state)
+    assert torch.equal(out, expect_out)
+    assert torch.equal(pool[slots], expect_state)
+    assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
+
+
+@pytest.mark.parametrize("k_heads,v_heads", [(2, 4), (3, 3)])
+def test_gdn_decode_kernel_matches_reference(k_heads, v_heads):
+    """Several steps in a row; the first starts some requests fresh; dk and dv off powers of two."""
+    gen = torch.Generator().manual_seed(2)
+    batch, dk, dv = 3, 12, 40
+    pool = torch.randn(6, v_heads, dk, dv, generator=gen).to(DEV)
+    pool_ref, pool_ker = pool.clone(), pool.clone()
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    for step in range(3):
+        fresh = torch.tensor([False, step == 0, step == 0], device=DEV)
+        q, k, v, g, beta = _gdn_inputs(batch, k_heads, v_heads, dk, dv, torch.float32, DEV, gen)
+        ref = gdn_decode_ref(q, k, v, g, beta, pool_ref, slots, fresh)
+        out = gdn_decode_triton.gdn_decode(q, k, v, g, beta, pool_ker, slots, fresh)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pool_ker, pool_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool_ker[[1, 3, 5]], pool[[1, 3, 5]])
+
+
+# --------------------------------------------------------------------------------------------------
+# Model shapes on the GPU
+# --------------------------------------------------------------------------------------------------
+
+GPU_LENGTHS = [1, 2048, 7, 2000, 43]  # T = 4099
+GPU_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel_size,dilation", [(4, 1), (4, 3)])  # GDN qkv conv; PLE conv (hc 4 x 2048)
+def test_gpu_conv_model_shapes(dtype, kernel_size, dilation):
+    """fp32: within 1e-5 (summation order only); bf16: within one bf16 rounding of the fp32 result."""
+    x, states, weight, cu, slots, fresh = _conv_case(
+        kernel_size, dilation, 8192, dtype, "cuda", lengths=GPU_LENGTHS, slots=[40, 3, 17, 0, 63],
+        fresh=[False, True, False, False, True], num_slots=64)
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation)  # elementwise: no TF32
+    out = conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, max_seqlen=2048)
+    torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
+
+    seg_index = torch.tensor([0, 1, 1, 3, 4], device="cuda")
+    upto = torch.tensor([1, 1, 2048, 5, 43], device="cuda")
+    windows = conv_ops.conv_windows(x, states, cu, slots, fresh, seg_index, upto)
+    for m in range(5):
+        i, off = int(seg_index[m]), int(upto[m])
+        history = torch.zeros_like(states[0]) if bool(fresh[i]) else states[int(slots[i])]
+        assert torch.equal(windows[m], conv_history(x[int(cu[i]):int(cu[i + 1])], history, off))
+
+    batch = 33
+    rows = torch.randn(batch, 8192, device="cuda").to(dtype)
+    dec_slots = torch.randperm(64, device="cuda")[:batch]
+    dec_fresh = torch.rand(batch, device="cuda") < 0.2
+    pool_ref, pool_ker = states.clone(), states.clone()
+    ref = conv_ops.causal_conv1d_update_ref(rows, pool_ref, weight, dec_slots, dec_fresh, dilation)
+    out = conv_ops.causal_conv1d_update(rows, pool_ker, weight, dec_slots, dec_fresh, dilation)
+    torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
+    assert torch.equal(pool_ker, pool_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gdn_decode_model_shapes(dtype):
+    """Outputs within 1e-4 (fp32; reduction order over dk) or 2e-2 (bf16 output rounding); states
+    (always fp32) within 1e-4 after four steps."""
+    gen = torch.Generator().manual_seed(3)
+    batch, k_heads, v_heads, dk, dv = 33, 16, 32, 128, 128
+    pool = torch.randn(64, v_heads, dk, dv, generator=gen).cuda() * 0.1
+    pool_ref, pool_ker = pool.clone(), pool.clone()
+    slots = torch.randperm(64, generator=gen)[:batch].cuda()
+    used = set(slots.tolist())
+    untouched = [s for s in range(64) if s not in used]
+    out_tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for step in range(4):
+        fresh = (torch.rand(batch, generator=gen) < (0.2 if step == 0 else 0.0)).cuda()
+        q, k, v, g, beta = _gdn_inputs(batch, k_heads, v_heads, dk, dv, dtype, "cuda", gen)
+        ref = gdn_decode_ref(q, k, v, g, beta, pool_ref, slots, fresh)
+        out = gdn_decode_triton.gdn_decode(q, k, v, g, beta, pool_ker, slots, fresh)
+        torch.testing.assert_close(out, ref, **out_tol)
+        torch.testing.assert_close(pool_ker, pool_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pool_ker[untouched], pool[untouched])

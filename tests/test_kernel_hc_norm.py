@@ -1,0 +1,296 @@
+"""RMSNorm and hyper-connection kernels against their torch references, and the references against the
+original formulas (written out here as the model computed them before the fused path existed).
+
+Without CUDA the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set before triton is
+imported) on CPU tensors, in float32 only: the interpreter gets bf16 dots and casts wrong. With CUDA
+the same small cases run compiled on the GPU, and the ``gpu`` tests add the real shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_INTERPRET = not torch.cuda.is_available()
+if _INTERPRET:  # never on a GPU machine: it would turn every kernel of the session into the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cpu" if _INTERPRET else "cuda"
+EPS = 1e-6
+
+from tidal.executor.layers import hyper_connection as hc_layer  # noqa: E402
+from tidal.executor.layers.hyper_connection import GatedResidual  # noqa: E402
+from tidal.kernels import hyper_connection as hc_ops  # noqa: E402
+from tidal.kernels import norm as norm_ops  # noqa: E402
+from tidal.kernels.backend import use_triton  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tri():
+    """The Triton modules (imported after ``TRITON_INTERPRET`` is set)."""
+    pytest.importorskip("triton")
+    from tidal.kernels import hyper_connection_triton, norm_triton
+
+    return norm_triton, hyper_connection_triton
+
+
+def _force(monkeypatch, triton: bool) -> None:
+    """Make every dispatcher take (or skip) the Triton path, whatever the tensors' device."""
+    for module in (norm_ops, hc_ops, hc_layer):
+        monkeypatch.setattr(module, "use_triton", lambda t: triton)
+
+
+# The original formulas, verbatim.
+def _old_rms_norm(x, weight, eps, group_size=None):
+    h = x.float()
+    if group_size is not None:
+        h = h.reshape(*h.shape[:-1], -1, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if group_size is not None:
+        h = h.flatten(-2)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def _old_gated_rms_norm(x, gate, weight, eps, activation="silu"):
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    g = gate.float()
+    g = F.silu(g) if activation == "silu" else torch.sigmoid(g)
+    return (h * g).to(dtype)
+
+
+def _old_forward(m: GatedResidual, streams):
+    hc, hidden = m.hc_count, m.hidden
+    normed = _old_rms_norm(streams, m.hc_norm.weight, m.hc_norm.eps, hidden)
+    mix = F.silu(F.linear(normed, m.input_mix_weight_down.weight) / hc)
+    mix = torch.sigmoid(F.linear(mix, m.input_mix_weight_up.weight)).unflatten(-1, (hc, hidden))
+    block_input = (mix * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
+    if m.block_inject_weight is None:
+        return block_input, None
+    return block_input, 2 * torch.sigmoid(F.linear(normed, m.block_inject_weight.weight) / hc)
+
+
+def _old_residual(streams, block_out, inject):
+    return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
+
+
+def _hc_module(hc: int, hidden: int, lowrank: int, seed: int, dtype=torch.float32, use_combine=True):
+    torch.manual_seed(seed)
+    m = GatedResidual(hc, hidden, lowrank, EPS, use_combine=use_combine)
+    width = hc * hidden
+    m.hc_norm.weight.copy_(0.2 * torch.randn(width))
+    m.input_mix_weight_down.weight.copy_(torch.randn(lowrank, width) / width ** 0.5)
+    m.input_mix_weight_up.weight.copy_(torch.randn(width, lowrank) / lowrank ** 0.5)
+    if use_combine:
+        m.block_inject_weight.weight.copy_(torch.randn(hc, width) / width ** 0.5)
+    return m.to(device=DEV, dtype=dtype)
+
+
+def _block(hidden: int, seed: int, dtype=torch.float32):
+    """A stand-in mixer: a fixed random projection and tanh."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(DEV, dtype)
+    return lambda x: torch.tanh(F.linear(x, w)) * 3
+
+
+def _chain(mods, block_fns, streams, fused: bool):
+    """Two blocks through ``mods[0..1]``, then the block input of ``mods[2]``; returns every output."""
+    outs = []
+    if fused:
+        normed = mods[0].norm(streams)
+        for i, fn in enumerate(block_fns):
+            x, logits = mods[i].mix(normed)
+            streams, normed = mods[i + 1].add_and_norm(streams, fn(x), logits)
+            outs += [x, streams]
+        outs.append(mods[-1].mix(normed)[0])
+    else:
+        for i, fn in enumerate(block_fns):
+            x, inject = _old_forward(mods[i], streams)
+            streams = _old_residual(streams, fn(x), inject)
+            outs += [x, streams]
+        outs.append(_old_forward(mods[-1], streams)[0])
+    return outs
+
+
+# ---------------------------------------------------------------- float32, CPU interpreter (or GPU)
+
+NORM_CASES = [(1, 144, 48), (3, 256, 64), (37, 192, None), (37, 100, None), (3, 384, 128)]
+
+
+@pytest.mark.parametrize("rows,width,group", NORM_CASES)
+def test_rms_norm_kernel_matches_reference(tri, rows, width, group):
+    torch.manual_seed(rows + width)
+    x = torch.randn(rows, width, device=DEV) * 3
+    w = 0.2 * torch.randn(width, device=DEV)
+    ref = norm_ops.rms_norm_ref(x, w, EPS, group)
+    torch.testing.assert_close(tri[0].rms_norm_triton(x, w, EPS, group), ref, rtol=1e-5, atol=1e-5)
+    # Leading dims and a row stride that is not the width (a column slice).
+    wide = torch.randn(2, rows, width + 16, device=DEV)
+    x3 = wide[..., 8:8 + width]
+    torch.testing.assert_close(tri[0].rms_norm_triton(x3, w, EPS, group), norm_ops.rms_norm_ref(x3, w, EPS, group),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 64), (37, 128), (3, 100)])
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_rms_norm_kernel_matches_reference(tri, rows, width, activation):
+    torch.manual_seed(rows * width)
+    x, gate = torch.randn(2, rows, width, device=DEV).unbind(0)
+    w = 1 + 0.2 * torch.randn(width, device=DEV)
+    out = tri[0].gated_rms_norm_triton(x, gate, w, EPS, activation)
+    torch.testing.assert_close(out, norm_ops.gated_rms_norm_ref(x, gate, w, EPS, activation), rtol=1e-5, atol=1e-5)
+
+
+def test_norm_references_are_the_original_formulas():
+    torch.manual_seed(0)
+    x, gate = torch.randn(2, 5, 96).unbind(0)
+    w = 0.2 * torch.randn(96)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, gd = x.to(dtype), gate.to(dtype)
+        for wd in (w, w.to(dtype)):
+            assert torch.equal(norm_ops.rms_norm_ref(xd, wd, EPS, 32), _old_rms_norm(xd, wd, EPS, 32))
+            assert torch.equal(norm_ops.rms_norm(xd, wd, EPS), _old_rms_norm(xd, wd, EPS))
+            for act in ("silu", "sigmoid"):
+                assert torch.equal(norm_ops.gated_rms_norm(xd, gd, wd, EPS, act),
+                                   _old_gated_rms_norm(xd, gd, wd, EPS, act))
+
+
+HC_CASES = [(1, 3, 48), (3, 4, 64), (37, 3, 48), (37, 4, 64)]
+
+
+@pytest.mark.parametrize("rows,hc,hidden", HC_CASES)
+def test_hc_block_input_kernel_matches_reference(tri, rows, hc, hidden):
+    torch.manual_seed(rows + hc)
+    normed, up = torch.randn(2, rows, hc * hidden, device=DEV).unbind(0)
+    out = tri[1].hc_block_input_triton(normed, up * 3, hc)
+    torch.testing.assert_close(out, hc_ops.hc_block_input_ref(normed, up * 3, hc), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,hc,hidden", HC_CASES)
+def test_hc_residual_norm_kernel_matches_reference(tri, rows, hc, hidden):
+    torch.manual_seed(rows * hc)
+    streams = torch.randn(rows, hc * hidden, device=DEV) * 2
+    block_out = torch.randn(rows, hidden, device=DEV)
+    logits = torch.randn(rows, 7 + hc, device=DEV)[:, 7:] * 4  # a column slice, as the fused GEMM hands it
+    w = 0.2 * torch.randn(hc * hidden, device=DEV)
+    new, normed = tri[1].hc_residual_norm_triton(streams, block_out, logits, hc, w, EPS)
+    ref_new, ref_normed = hc_ops.hc_residual_norm_ref(streams, block_out, logits, hc, w, EPS)
+    torch.testing.assert_close(new, ref_new, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(normed, ref_normed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hc,hidden,lowrank", [(3, 48, 20), (4, 64, 24)])
+def test_reference_chain_is_the_original_forward_and_residual(monkeypatch, hc, hidden, lowrank):
+    _force(monkeypatch, triton=False)
+    mods = [_hc_module(hc, hidden, lowrank, seed=i) for i in range(3)]
+    fns = [_block(hidden, seed=10 + i) for i in range(2)]
+    streams = torch.randn(37, hc * hidden, device=DEV)
+    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False)):
+        assert torch.equal(new, old)
+    for m in mods:
+        for new, old in zip(m(streams), _old_forward(m, streams)):
+            assert torch.equal(new, old)
+    mixer = _hc_module(hc, hidden, lowrank, seed=5, use_combine=False)
+    x, inject = mixer(streams)
+    assert inject is None and torch.equal(x, _old_forward(mixer, streams)[0])
+    assert torch.equal(GatedResidual.residual(streams, x, mods[0](streams)[1]),
+                       _old_residual(streams, x, mods[0](streams)[1]))
+
+
+@pytest.mark.parametrize("rows,hc,hidden,lowrank", [(1, 3, 48, 20), (37, 4, 64, 24)])
+def test_triton_chain_matches_original(tri, monkeypatch, rows, hc, hidden, lowrank):
+    _force(monkeypatch, triton=True)
+    mods = [_hc_module(hc, hidden, lowrank, seed=i) for i in range(3)]
+    fns = [_block(hidden, seed=10 + i) for i in range(2)]
+    streams = torch.randn(rows, hc * hidden, device=DEV)
+    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False)):
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+    for new, old in zip(mods[0](streams), _old_forward(mods[0], streams)):
+        torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+
+
+def test_down_inject_weight_follows_the_parameters(monkeypatch):
+    _force(monkeypatch, triton=True)
+    m = _hc_module(3, 48, 20, seed=0)
+    first = m._down_inject_weight()
+    assert m._down_inject_weight() is first
+    assert first.shape[0] == 24 and not first[23:].any()  # 20 + 3 rows, zero-padded to a multiple of 8
+    torch.testing.assert_close(first[:23], torch.cat([m.input_mix_weight_down.weight, m.block_inject_weight.weight]))
+    with torch.no_grad():
+        m.block_inject_weight.weight.mul_(2)  # an in-place load
+    second = m._down_inject_weight()
+    assert second is not first and torch.equal(second[20:23], m.block_inject_weight.weight)
+    m.to(torch.float64)
+    assert m._down_inject_weight().dtype == torch.float64
+    assert "_down_inject" not in "".join(m.state_dict())
+
+
+def test_use_triton_needs_cuda():
+    assert not use_triton(torch.zeros(1))
+
+
+# ---------------------------------------------------------------- real shapes on the GPU
+
+T, HC, HIDDEN, LOWRANK = 4097, 4, 2048, 320
+
+
+def _assert_near(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, chain: bool = False) -> None:
+    """fp32: elementwise 1e-5 (kernels; only summation order and rsqrt/sigmoid ulps differ) or 1e-4
+    (chains, which also differ in GEMM order: one [down; inject] GEMM against two, then amplified by
+    the blocks). bf16: the kernels copy the reference's roundings, but an ulp-level sigmoid or rsqrt
+    difference now and then flips one (2^-8 relative) and that spreads along its row, so the check is
+    on the tensor: max error <= 1e-2 (chains 3e-2) of max |ref|, mean error <= 1e-3 (3e-3) of mean |ref|.
+    """
+    if dtype == torch.float32:
+        tol = 1e-4 if chain else 1e-5
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err, ref = (got.float() - want.float()).abs(), want.float().abs()
+    assert err.max() <= (3e-2 if chain else 1e-2) * ref.max(), (err.max(), ref.max())
+    assert err.mean() <= (3e-3 if chain else 1e-3) * ref.mean(), (err.mean(), ref.mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
+    monkeypatch.setenv("TIDAL_KERNELS", "triton")
+    torch.manual_seed(0)
+    width = HC * HIDDEN
+    streams = (torch.randn(T, width, device="cuda") * 2).to(dtype)
+    w = (0.2 * torch.randn(width, device="cuda")).to(dtype)
+    for group in (HIDDEN, None):
+        _assert_near(norm_ops.rms_norm(streams, w, EPS, group), norm_ops.rms_norm_ref(streams, w, EPS, group), dtype)
+    wide = torch.randn(37, 16384, device="cuda", dtype=dtype)
+    _assert_near(norm_ops.rms_norm(wide, wide[0], EPS), norm_ops.rms_norm_ref(wide, wide[0], EPS), dtype)
+    x, gate = torch.randn(2, T * 4, 128, device="cuda", dtype=dtype).unbind(0)
+    for gw in (torch.randn(128, device="cuda"), torch.randn(128, device="cuda", dtype=dtype)):
+        _assert_near(norm_ops.gated_rms_norm(x, gate, gw, EPS), norm_ops.gated_rms_norm_ref(x, gate, gw, EPS), dtype)
+    up = (3 * torch.randn(T, width, device="cuda")).to(dtype)
+    _assert_near(hc_ops.hc_block_input(streams, up, HC), hc_ops.hc_block_input_ref(streams, up, HC), dtype)
+    block_out = torch.randn(T, HIDDEN, device="cuda", dtype=dtype)
+    logits = (4 * torch.randn(T, LOWRANK + HC, device="cuda")).to(dtype)[:, LOWRANK:]
+    got = hc_ops.hc_residual_norm(streams, block_out, logits, HC, w, EPS)
+    want = hc_ops.hc_residual_norm_ref(streams, block_out, logits, HC, w, EPS)
+    for a, b in zip(got, want):
+        _assert_near(a, b, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_chain_matches_reference_path(tri, monkeypatch, dtype):
+    mods = [_hc_module(HC, HIDDEN, LOWRANK, seed=i, dtype=dtype) for i in range(3)]
+    fns = [_block(HIDDEN, seed=10 + i, dtype=dtype) for i in range(2)]
+    streams = torch.randn(T, HC * HIDDEN, device="cuda", dtype=dtype)
+    monkeypatch.setenv("TIDAL_KERNELS", "torch")
+    assert not use_triton(streams)
+    want = _chain(mods, fns, streams, fused=True)
+    monkeypatch.setenv("TIDAL_KERNELS", "triton")
+    assert use_triton(streams)
+    got = _chain(mods, fns, streams, fused=True)
+    for a, b in zip(got, want):
+        _assert_near(a, b, dtype, chain=True)

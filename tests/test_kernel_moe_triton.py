@@ -1,0 +1,179 @@
+"""Triton fused MoE against the per-expert loop, and its device-side alignment.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, fp32 only, small
+shapes); with one, the same small-shape tests run compiled on it, and the ``gpu``-marked tests add the
+bench shapes (512 experts, top-10, hidden 2048, intermediate 512) in bf16, fp16 and fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must precede the first import of triton; on a GPU machine the kernels run compiled instead.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from tidal.kernels import moe_triton  # noqa: E402
+from tidal.kernels.moe import fused_experts, fused_experts_ref  # noqa: E402
+from tidal.kernels.moe_triton import align_assignments, fused_experts_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+EXPERTS, HIDDEN, INTER = 8, 64, 32
+HOT = 3  # receives every token
+COLD = (6, 7)  # receive none
+
+
+def _skewed_ids(tokens: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """Slot 0 is always expert ``HOT``; the other slots are distinct experts drawn from the rest,
+    never from ``COLD``."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([e for e in range(EXPERTS) if e != HOT and e not in COLD])
+    rest = torch.stack([pool[torch.randperm(len(pool), generator=g)[:top_k - 1]] for _ in range(tokens)])
+    return torch.cat([torch.full((tokens, 1), HOT), rest], dim=1)
+
+
+def _small_case(tokens: int, top_k: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) / HIDDEN ** 0.5
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) / INTER ** 0.5
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True)
+    ids = _skewed_ids(tokens, top_k, seed)
+    return tuple(t.to(device) for t in (x, ids, weights, gate_up, down))
+
+
+def _check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    sorted_ids, block_expert = align_assignments(ids, num_experts, block_m)
+    sorted_ids, block_expert = sorted_ids.cpu(), block_expert.cpu()
+    n = ids.numel()
+    flat = ids.flatten().cpu()
+    assert sorted_ids.shape[0] == block_expert.shape[0] * block_m
+    real = sorted_ids[sorted_ids < n]
+    assert torch.equal(real.sort().values, torch.arange(n, dtype=real.dtype))  # each assignment exactly once
+    assert bool(((sorted_ids >= 0) & (sorted_ids <= n)).all())  # only assignments or the sentinel
+    blocks = sorted_ids.view(-1, block_m)
+    live = block_expert >= 0
+    # Live blocks form a prefix, each holds at least one assignment, all of its block's expert.
+    assert bool(live[:int(live.sum())].all())
+    for b, expert in enumerate(block_expert.tolist()):
+        members = blocks[b][blocks[b] < n]
+        if expert < 0:
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and bool((flat[members.long()] == expert).all())
+            assert bool((members[1:] > members[:-1]).all())  # stable: flat order within an expert
+    # Padding only fills each expert's last block.
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    assert int(live.sum()) == int(((per_expert + block_m - 1) // block_m).sum())
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16, 64])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3), (37, 2)])
+def test_alignment_invariants(tokens, top_k, block_m):
+    _check_alignment(_skewed_ids(tokens, top_k).to(DEV), EXPERTS, block_m)
+
+
+def test_alignment_bench_shape_bounds():
+    """Random top-10 of 512: the upper bounds hold and blocks never outnumber assignments."""
+    for tokens in (1, 3, 40):
+        logits = torch.randn(tokens, 512, generator=torch.Generator().manual_seed(tokens))
+        ids = torch.topk(logits, 10, dim=-1).indices.to(DEV)
+        _check_alignment(ids, 512, 16)
+        assert align_assignments(ids, 512, 16)[1].shape[0] <= tokens * 10
+
+
+def _assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # fp32: only summation order differs.
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_triton_matches_the_loop(tokens, top_k):
+    x, ids, w, gu, d = _small_case(tokens, top_k, DEV)
+    _assert_close_to_ref(fused_experts_triton(x, ids, w, gu, d), fused_experts_ref(x, ids, w, gu, d))
+
+
+@pytest.mark.parametrize("bucket", [1, 2, 3, 4])
+def test_triton_prefill_configs(bucket):
+    """The larger-tile table rows (several experts per block size, multi-block hot expert)."""
+    x, ids, w, gu, d = _small_case(37, 3, DEV, seed=1)
+    config = moe_triton.CONFIGS[bucket][1]
+    _assert_close_to_ref(fused_experts_triton(x, ids, w, gu, d, config), fused_experts_ref(x, ids, w, gu, d))
+
+
+def test_triton_non_contiguous_operands():
+    """Strided x and weights (the kernels take strides, not contiguity)."""
+    x, ids, w, gu, d = _small_case(5, 2, DEV)
+    xs = torch.stack([x, x], dim=2)[:, :, 0]
+    gus = gu.transpose(1, 2).contiguous().transpose(1, 2)
+    ds = d.transpose(1, 2).contiguous().transpose(1, 2)
+    _assert_close_to_ref(fused_experts_triton(xs, ids, w, gus, ds), fused_experts_ref(x, ids, w, gu, d))
+
+
+def test_triton_no_tokens():
+    x, ids, w, gu, d = _small_case(1, 2, DEV)
+    out = fused_experts_triton(x[:0], ids[:0], w[:0], gu, d)
+    assert out.shape == (0, HIDDEN)
+
+
+@functools.cache
+def _bench_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generated on the GPU (a billion parameters is slow through the CPU) and shared by the token counts."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, inter = 512, 2048, 512
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter ** 0.5).to(dtype)
+    return gate_up, down
+
+
+def _bench_case(tokens: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    gate_up, down = _bench_weights(dtype)
+    x = torch.randn(tokens, 2048, generator=g, device="cuda").to(dtype)
+    logits = torch.randn(tokens, 512, generator=g, device="cuda")
+    weights, ids = torch.topk(torch.softmax(logits, -1), 10, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).to(dtype)
+    return x, ids, weights, gate_up, down
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 4099])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-2), (torch.float32, 1e-5)])
+def test_triton_bench_shapes_gpu(tokens, dtype, tol):
+    """Against the fp32 loop on the same (rounded) inputs."""
+    x, ids, w, gu, d = _bench_case(tokens, dtype)
+    ref = fused_experts_ref(x.float(), ids, w.float(), gu.float(), d.float())
+    out = fused_experts_triton(x, ids, w, gu, d)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert _rel_err(out, ref) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 4099])
+def test_triton_matches_grouped_gemm_bf16_gpu(tokens, monkeypatch):
+    x, ids, w, gu, d = _bench_case(tokens, torch.bfloat16)
+    out = fused_experts_triton(x, ids, w, gu, d)
+    monkeypatch.setenv("TIDAL_KERNELS", "torch")  # the dispatcher's grouped-GEMM path
+    grouped = fused_experts(x, ids, w, gu, d)
+    assert _rel_err(out, grouped.float()) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4099])
+def test_dispatcher_fp32_gpu(tokens):
+    """fp32 on CUDA takes the Triton kernel (the grouped GEMM cannot), at every token count."""
+    x, ids, w, gu, d = _bench_case(tokens, torch.float32)
+    assert _rel_err(fused_experts(x, ids, w, gu, d), fused_experts_ref(x, ids, w, gu, d)) <= 1e-5
