@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # On the device machine: install carried wheels, then time tiny and bench (random weights) on CUDA.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/tidal
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR=
+WITH_FLA=1 source scripts/gpu_env.sh || exit 1
 python3 -m tidal.cli checkpoint --preset tiny --out /tmp/tiny
 python3 -m tidal.cli checkpoint --preset bench --out /tmp/bench --config-only
 echo "== tiny, cuda, float32"; python3 scripts/gpu_smoke.py --model /tmp/tiny --dtype float32 --tokens 4000

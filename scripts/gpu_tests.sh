@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Runs the CPU-able model tests on the device machine's GPU (float32). Usage on the device:
-#   bash scripts/gpu_tests.sh [pytest args]
-# Expects wheels for missing packages in .whl/ (see NOTES-device.md).
+# On the device machine: the GPU-marked kernel tests (with flash-linear-attention), then the model
+# tests on CUDA in float32 (without it). Extra arguments go to the model-test pytest run.
+#   bash scripts/gpu_tests.sh [pytest args for the model tests]
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/tidal
-export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR=
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
-TIDAL_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -s "$@"
+source scripts/gpu_env.sh || exit 1
+WITH_FLA=1 PYTHONPATH=/tmp/fla:$PYTHONPATH python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_kernel_*.py
+kernels=$?
+[ $# -gt 0 ] || set -- tests/test_parity.py tests/test_chunking_and_state.py
+TIDAL_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q "$@"
+exit $(( kernels || $? ))

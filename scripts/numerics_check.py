@@ -18,6 +18,10 @@ Gates (the seed write-up's teacher-forced protocol, fp32 as the baseline):
   LLM, which hits the prefix cache (its ``cached_tokens`` counter is reported and must be > 0 when the
   scheduler exposes counters).
 
+The fp32 baseline runs on the device's default kernels; where they refuse fp32 (flash-linear-attention's
+chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERNELS=torch``), and
+``teacher_forced.fp32_kernels`` says which. TF32 is off for it.
+
 Prints PASS/FAIL per gate, writes ``DIR/numerics_check.json``, exits 1 when a gate fails.
 """
 

@@ -1,0 +1,90 @@
+"""Profile one cold prefill (and a few decode steps) of a preset on the GPU with the torch profiler.
+
+    python scripts/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
+
+Prints the kernels by total CUDA time (the table the closing notes quote) for each phase.
+Weights are seeded random (``--load-format random``), generated on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tidal import LLM
+from tidal.executor.presets import write_checkpoint
+from tidal.messages import Batch, SegmentSpec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=25)
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    t0 = time.monotonic()
+    llm = LLM(path, device="cuda", dtype="bfloat16", load_format="random", max_prefill_length=ns.tokens,
+              max_model_len=ns.tokens + 1024, kv_pool_tokens=(ns.tokens + 1024) * (ns.decode_batch + 1),
+              max_running_requests=max(ns.decode_batch, 1))
+    torch.cuda.synchronize()
+    print(f"load: {time.monotonic() - t0:.1f} s", flush=True)
+    page = llm.sizes.page_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 240000, (ns.tokens,), generator=gen).tolist()
+    pages = list(range(math.ceil(ns.tokens / page)))
+
+    def prefill(batch_id: int) -> None:
+        llm.runner.execute(Batch(batch_id=batch_id, segments=[
+            SegmentSpec(rid="p", slot=0, start=0, token_ids=ids, pages=pages, sample=True)]))
+
+    prefill(0)  # warm-up: autotuning and first-shape compilation
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    prefill(1)
+    torch.cuda.synchronize()
+    took = time.monotonic() - t0
+    print(f"prefill {ns.tokens} tokens: {took * 1e3:.1f} ms, {ns.tokens / took:.0f} tok/s", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill(2)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
+
+    # Decode: B requests with 64-token prompts, then single-token steps.
+    b = ns.decode_batch
+    per = math.ceil((64 + 64) / page)
+    segs = [SegmentSpec(rid=f"d{i}", slot=i, start=0, token_ids=ids[i * 64:(i + 1) * 64],
+                        pages=list(range(i * per, (i + 1) * per)), sample=True) for i in range(b)]
+    llm.runner.execute(Batch(batch_id=10, segments=segs))
+
+    def step(batch_id: int, pos: int) -> None:
+        llm.runner.execute(Batch(batch_id=batch_id, segments=[
+            SegmentSpec(rid=f"d{i}", slot=i, start=pos, token_ids=[ids[pos + i]], pages=segs[i].pages, sample=True)
+            for i in range(b)]))
+
+    for i in range(3):
+        step(11 + i, 64 + i)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    for i in range(10):
+        step(20 + i, 67 + i)
+    torch.cuda.synchronize()
+    took = (time.monotonic() - t0) / 10
+    print(f"decode batch {b}: {took * 1e3:.2f} ms/step, {b / took:.1f} tok/s", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(40, 77)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
