@@ -87,6 +87,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = x[order // top_k]
     h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    if use_triton(x):
+        from .moe_triton import combine, silu_mul
+
+        h = _grouped_mm(silu_mul(h), down.transpose(1, 2), offs=offsets)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=x.device)
+        return combine(h, inverse, weights)
     gate, up = h.chunk(2, dim=-1)
     h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)

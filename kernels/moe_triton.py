@@ -256,3 +256,56 @@ def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return per_slot.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, out_ptr, rows, inter, stride_h, stride_o, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = (r < rows)[:, None] & (c < inter)[None, :]
+    base = h_ptr + r.to(tl.int64)[:, None] * stride_h + c[None, :]
+    gate = tl.load(base, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(base + inter, mask=ok, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], act.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """``silu(h[:, :I]) * h[:, I:]`` for ``h [R, 2I]`` in one pass (fp32 arithmetic)."""
+    rows, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=h.dtype, device=h.device)
+    if rows:
+        grid = (triton.cdiv(rows, 16), triton.cdiv(inter, 256))
+        _silu_mul_kernel[grid](h, out, rows, inter, h.stride(0), out.stride(0), BLOCK_R=16, BLOCK_C=256,
+                               num_warps=4)
+    return out
+
+
+@triton.jit
+def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_h, stride_o, TOP_K: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = c < hidden
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    for k in tl.static_range(TOP_K):
+        src = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
+        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+        acc += w * tl.load(h_ptr + src * stride_h + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(h_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_k weights[t, k] * h_sorted[inverse[t * K + k]]`` in fp32, one read of ``h_sorted``.
+
+    ``h_sorted`` holds the expert outputs in expert-sorted order; ``inverse`` maps each (token, slot)
+    assignment to its row there. Replaces the scale, scatter and sum passes of the grouped path.
+    """
+    tokens, top_k = weights.shape
+    hidden = h_sorted.shape[1]
+    out = torch.empty(tokens, hidden, dtype=h_sorted.dtype, device=h_sorted.device)
+    if tokens:
+        grid = (tokens, triton.cdiv(hidden, 1024))
+        _combine_kernel[grid](h_sorted, inverse, weights.contiguous(), out, hidden, h_sorted.stride(0),
+                              out.stride(0), TOP_K=top_k, BLOCK_C=1024, num_warps=4)
+    return out

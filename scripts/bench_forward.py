@@ -3,7 +3,8 @@ against their roofline, and transformers' ``Qwen4ExpForCausalLM`` as the peer.
 
     python scripts/bench_forward.py --out DIR [--preset bench] [--lengths 4096,8192,32768]
         [--decode-batches 1,8,32] [--decode-context 512] [--decode-steps 32] [--peer/--no-peer]
-        [--peer-max-seconds 60] [--kernels/--no-kernels] [--tidal/--no-tidal] [--merge]
+        [--peer-max-seconds 60] [--kernels/--no-kernels] [--kernel-tokens 32768] [--kernel-batch 8]
+        [--kernel-context 8192] [--kernel-budget-s 110] [--tidal/--no-tidal] [--merge]
         [--device cuda] [--dtype bfloat16]
 
 The preset's config.json is written to a temporary directory and loaded with ``--load-format random``.
@@ -561,13 +562,17 @@ def kernel_cases(c: ModelConfig, device: torch.device, dtype: torch.dtype, token
         return a
 
     moe = lambda f, a: f(a["x"], a["ids"], a["w"], a["gate_up"], a["down"])  # noqa: E731
+    # The dispatcher (grouped GEMM or Triton by size), then the Triton kernel alone at the same shapes.
+    fast_paths = [("fused_experts", attr("tidal.kernels.moe", "fused_experts", moe)),
+                  ("fused_experts_triton", attr("tidal.kernels.moe_triton", "fused_experts_triton", moe,
+                                                cuda_only=True))]
     for phase, rows in (("prefill", tokens), ("decode", batch)):
-        cases.append(KernelCase(
-            f"fused_experts {phase}", f"T {rows}, E {e}, top {top}, H {h}, I {inter}", lambda rows=rows: moe_args(rows),
-            [attr("tidal.kernels.moe", "fused_experts", moe)], [attr("tidal.kernels.moe", "fused_experts_ref", moe)],
-            [_grouped_mm_candidate],
-            lambda a: (a["distinct"] * 3 * h * inter + 2 * a["x"].numel()) * eb + a["ids"].numel() * (8 + eb),
-            lambda a: 2 * a["ids"].numel() * 3 * h * inter))
+        for title, fast in fast_paths:
+            cases.append(KernelCase(
+                f"{title} {phase}", f"T {rows}, E {e}, top {top}, H {h}, I {inter}", lambda rows=rows: moe_args(rows),
+                [fast], [attr("tidal.kernels.moe", "fused_experts_ref", moe)], [_grouped_mm_candidate],
+                lambda a: (a["distinct"] * 3 * h * inter + 2 * a["x"].numel()) * eb + a["ids"].numel() * (8 + eb),
+                lambda a: 2 * a["ids"].numel() * 3 * h * inter))
     return cases
 
 
