@@ -29,14 +29,14 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 # Padded head dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill tile kernel for 16-bit
-# inputs. D=256 keeps BLOCK_M=64: Q (32 KB) + 2 stages of K and V tiles (2 x 64 KB) fit the H200's
-# 227 KB of shared memory, and a 64 x 256 fp32 accumulator over 8 warps is 64 registers a thread.
+# inputs. D=256 from a sweep on the H200 (docs/device/tune_attention_1.log, 32K causal): 128x64,
+# 8 warps, 2 stages ran at 442 TFLOP/s, twice the 64x64 tile.
 _TILE_CONFIGS_16BIT: dict[int, tuple[int, int, int, int]] = {
     16: (128, 64, 4, 3),
     32: (128, 64, 4, 3),
     64: (128, 64, 4, 3),
     128: (128, 64, 8, 2),
-    256: (64, 64, 8, 2),
+    256: (128, 64, 8, 2),
 }
 # fp32 (tests, exact ``ieee`` dots on CUDA cores): operands twice as wide, so smaller tiles and no pipelining.
 _TILE_CONFIGS_32BIT: dict[int, tuple[int, int, int, int]] = {
@@ -47,8 +47,9 @@ _TILE_CONFIGS_32BIT: dict[int, tuple[int, int, int, int]] = {
     256: (16, 32, 8, 1),
 }
 # Padded head dim -> (BLOCK_N, num_warps, num_stages) of the row kernel (M is the head group, >= 16).
+# D=256 from the same sweep (QSA prefill rows, top-32 blocks of 64): 32 keys, 4 warps, 2 stages.
 _ROW_CONFIGS_16BIT: dict[int, tuple[int, int, int]] = {
-    16: (64, 4, 3), 32: (64, 4, 3), 64: (64, 4, 3), 128: (64, 4, 3), 256: (64, 4, 2),
+    16: (64, 4, 3), 32: (64, 4, 3), 64: (64, 4, 3), 128: (64, 4, 3), 256: (32, 4, 2),
 }
 _ROW_CONFIGS_32BIT: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 1), 32: (64, 4, 1), 64: (64, 4, 1), 128: (32, 8, 1), 256: (32, 8, 1),

@@ -7,18 +7,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
+from ...kernels.backend import use_triton
 from ...kernels.moe import fused_experts, route
 from .linear import Linear
 
 
 class SharedExpert(nn.Module):
+    """``down(silu(gate(x)) * up(x))``. On a GPU gate and up are one GEMM over a ``[gate; up]`` weight
+    (built once, on first use) and the SiLU-gate is one pass (the routed experts' kernel)."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self._gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            from ...kernels.moe_triton import silu_mul
+
+            if self._gate_up is None or self._gate_up.device != x.device or self._gate_up.dtype != x.dtype:
+                self._gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(x.dtype)
+            return self.down_proj(silu_mul(F.linear(x, self._gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
