@@ -19,6 +19,9 @@ import torch
 
 from .memory import KVPool, StatePool
 
+# Rows per chunk of the chunked GDN kernel (the chunk index it is handed is built here, once a batch).
+GDN_CHUNK = 64
+
 
 @dataclass
 class Segment:
@@ -91,7 +94,7 @@ class Wave:
     rows: torch.Tensor | None  # long [rows]
     cu_seqlens: torch.Tensor  # long [n + 1] (the GDN kernel's index type)
     cu_host: list[int]
-    cu_cpu: torch.Tensor  # the same on the host
+    chunk_indices: torch.Tensor  # long [chunks, 2]: (piece, chunk within the piece) of every 64-row chunk
     max_seqlen: int
     seg: torch.Tensor  # long [n]
     export_piece: torch.Tensor  # long [m]
@@ -190,7 +193,9 @@ def _waves(prefill: list[Segment], device: torch.device) -> list[Wave]:
         waves.append(Wave(
             rows=None if count == 1 else torch.tensor(rows, dtype=torch.long, device=device),
             cu_seqlens=torch.tensor(cu, dtype=torch.long, device=device), cu_host=cu,
-            cu_cpu=torch.tensor(cu, dtype=torch.long),
+            chunk_indices=torch.tensor([[i, c] for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))
+                                        for c in range(-(-(b - a) // GDN_CHUNK))],
+                                       dtype=torch.long, device=device).reshape(-1, 2),
             max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])),
             seg=torch.tensor(seg_list, dtype=torch.long, device=device),
             export_piece=torch.tensor(export_piece, dtype=torch.long, device=device),

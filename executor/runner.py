@@ -34,8 +34,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
-        for src, dst in batch.copies:
-            self.states.copy(src, dst)
+        # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
+        self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
         # of the j-th segment as the forward lays it out.
         specs = batch.segments
@@ -108,10 +108,8 @@ class ModelRunner:
                 self.states.ngram_context[fb.export_dst] = history[at[:, None] + window]
             ends = starts + fb.all.lengths
             self.states.ngram_context[fb.all.slots] = history[ends[:, None] + window]
-        for seg in fb.segments:
-            for off, dst in seg.exports:
-                if off == seg.length:
-                    self.states.copy(seg.slot, dst)
+        ends = [(seg.slot, dst) for seg in fb.segments for off, dst in seg.exports if off == seg.length]
+        self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
 def build_runner(args, config: ModelConfig, sizes, model_path: str) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device."""

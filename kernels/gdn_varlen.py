@@ -55,22 +55,22 @@ def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 initial_state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: list[int],
-                cu_seqlens_cpu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gdn_prefill_ref`'s result.
 
-    ``cu_seqlens`` (int64, on the device) and ``cu_seqlens_cpu`` (int64, on the host) are the same
-    offsets as tensors; passing the same two objects to every layer lets flash-linear-attention
-    reuse its chunk index (it caches on the argument) instead of rebuilding and copying it per layer.
+    ``cu_seqlens`` is the same offsets as an int64 device tensor; ``chunk_indices`` (``[chunks, 2]``:
+    sequence, chunk within it, for 64-row chunks) is built once per batch by the caller, so the
+    kernel does not build and copy it to the device (a host sync) in every layer.
     """
     # flash-linear-attention's float32 dots run in tf32: float32 stays on the exact reference.
     fla_chunk = _fla_chunk() if use_triton(v) and v.dtype != torch.float32 else None
     if fla_chunk is None:
         return gdn_prefill_ref(q, k, v, g, beta, initial_state, cu_seqlens_host)
-    cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else torch.tensor(cu_seqlens_host, dtype=torch.long)
+    cpu = torch.tensor(cu_seqlens_host, dtype=torch.long) if chunk_indices is None else None
     o, final = fla_chunk(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cpu,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cpu, chunk_indices=chunk_indices,
     )
     return o[0], final.float()
 

@@ -85,13 +85,13 @@ class GatedDeltaNet(nn.Module):
         state = rec_slots[p.slots].masked_fill(p.fresh[:, None, None, None], 0)
         for wave in batch.waves:
             if wave.rows is None:
-                out, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.cu_cpu)
+                out, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
                 core.copy_(out)
                 state = final
             else:
                 r = wave.rows
                 out, final = gdn_prefill(q[r], k[r], v[r], g[r], beta[r], state[wave.seg], wave.cu_seqlens,
-                                         wave.cu_host, wave.cu_cpu)
+                                         wave.cu_host, wave.chunk_indices)
                 core[r] = out
                 state[wave.seg] = final
             if wave.export_dst.numel():

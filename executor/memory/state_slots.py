@@ -56,6 +56,18 @@ class StatePool:
         for t in self._tensors():
             t[dst].copy_(t[src])
 
+    def copy_many(self, src: list[int], dst: list[int]) -> None:
+        """:meth:`copy` for several pairs at once: one gather-scatter per state tensor (all sources are
+        read before any destination is written, so the pairs must not chain)."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        device = self.ngram_context.device
+        s_t = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        d_t = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for t in self._tensors():
+            t[d_t] = t[s_t]
+
     def reset(self, slot: int) -> None:
         """The state at position 0."""
         for t in self._tensors():

@@ -1,0 +1,46 @@
+"""The GPU forward as a fixed sequence of launches: no host sync inside the model (bf16, Triton
+kernels, flash-linear-attention when installed), on a batch mixing prefill chunks, decodes and a
+checkpoint export inside a segment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal import LLM
+from tidal.messages import SegmentSpec
+
+
+@pytest.mark.gpu
+def test_model_forward_never_syncs_with_the_host(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16")
+    runner = llm.runner
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 240000, (400,), generator=gen).tolist()
+    # Requests 0-2 already hold 100 tokens of state; request 3 starts fresh with an export at 64.
+    for slot in range(3):
+        pages = list(range(slot * 20, slot * 20 + 8))
+        runner.execute(llm_batch([SegmentSpec(rid=f"r{slot}", slot=slot, start=0, token_ids=ids[:100], pages=pages)]))
+    specs = [SegmentSpec(rid="r0", slot=0, start=100, token_ids=[ids[100]], pages=list(range(0, 8)), sample=True),
+             SegmentSpec(rid="r1", slot=1, start=100, token_ids=ids[100:230], pages=list(range(20, 35)), sample=True),
+             SegmentSpec(rid="r2", slot=2, start=100, token_ids=[ids[101]], pages=list(range(40, 48)), sample=True),
+             SegmentSpec(rid="r3", slot=3, start=0, token_ids=ids[:150], pages=list(range(60, 70)), sample=True,
+                         exports=[[64, 9]])]
+    order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
+    fb = runner._forward_batch([specs[i] for i in order])  # builds device metadata (host-to-device copies)
+    with torch.inference_mode():
+        runner.model(fb)  # first launch at these shapes: compilation and autotuning may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            streams, pending = runner.model(fb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(streams.float()).all()
+
+
+def llm_batch(segments):
+    from tidal.messages import Batch
+
+    return Batch(batch_id=0, segments=segments)
