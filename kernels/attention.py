@@ -160,15 +160,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
-                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int,
-                    num_blocks: int | None = None) -> torch.Tensor:
-    """The Triton kernel on a GPU (``attention_triton.paged_attention``), else :func:`paged_attention_ref`.
-
-    ``max_seqlen_q`` and ``num_blocks`` are launch hints of the kernel (host ints; see there)."""
+                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int) -> torch.Tensor:
+    """The Triton kernel on a GPU (``attention_triton.paged_attention``), else :func:`paged_attention_ref`."""
     if use_triton(q):
         from .attention_triton import paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, block_sel=block_sel,
-                                qsa_ratio=qsa_ratio, max_seqlen_q=max_seqlen_q, num_blocks=num_blocks)
+                                qsa_ratio=qsa_ratio, max_seqlen_q=max_seqlen_q)
     return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, block_sel=block_sel,
                                qsa_ratio=qsa_ratio)

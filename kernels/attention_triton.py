@@ -55,11 +55,6 @@ _ROW_CONFIGS_32BIT: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 1), 32: (64, 4, 1), 64: (64, 4, 1), 128: (32, 8, 1), 256: (32, 8, 1),
 }
 _MAX_SPLITS = 32
-# QSA prefill rows with at most this many keys of context run in the tile kernel (dense tiles, block
-# mask) rather than one gather per row: at 32K keys, D=256, top-32 of 64-key blocks the tile kernel's
-# dense cost (20 ms a layer) is below the row kernel's gathers (26 ms); the gathers grow with the row
-# count, the tiles with its square, so past ~40K the rows win.
-QSA_TILE_MAX_KEYS = 40960
 
 
 @triton.jit
@@ -99,18 +94,12 @@ def _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, load_ok, allow, kv_off, m_i, l_i,
 
 
 @triton.jit
-def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, bm_ptr, qk_scale,
+def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, qk_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
-                 stride_vp, stride_vr, stride_vh, stride_pt, stride_bm,
+                 stride_vp, stride_vr, stride_vh, stride_pt,
                  GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
-                 SELECTED: tl.constexpr, RATIO: tl.constexpr):
-    """Causal attention of one tile of a multi-row segment for one query head.
-
-    With ``SELECTED`` (QSA) a key is allowed when its block is complete for the query and marked in the
-    query's row of the block mask ``bm`` (``[T, blocks + 1]`` bytes), or when it lies in the query's
-    tail; key tiles that no row of the tile may see are skipped.
-    """
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Dense causal attention of one tile of a multi-row segment for one query head."""
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) tiles start first
     seg = tl.program_id(2)
@@ -136,33 +125,19 @@ def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, bm_ptr, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if SELECTED:
-        tail0 = ((q_pos + 1) // RATIO) * RATIO  # first key of each row's incomplete block
-        for key0 in range(0, end_key, BLOCK_N):
-            keys = key0 + offs_n
-            blk = keys // RATIO
-            marked = tl.load(bm_ptr + rows[:, None] * stride_bm + blk[None, :],
-                             mask=row_ok[:, None] & (keys < kv_len)[None, :], other=0)
-            allow = ((marked != 0) & (keys[None, :] < tail0[:, None])) | \
-                    ((keys[None, :] >= tail0[:, None]) & (keys[None, :] <= q_pos[:, None]))
-            if tl.max(tl.max(allow.to(tl.int32), 1), 0) > 0:
-                m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i,
-                                        acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                        PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
-    else:
-        # Key tiles entirely at or before the first query position need no causal mask.
-        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-        for key0 in range(0, full_end, BLOCK_N):
-            keys = key0 + offs_n
-            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, None, None, kv_off, m_i, l_i, acc,
-                                    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                    PAGE, False, HEAD_DIM == BLOCK_D, DOT_PREC)
-        for key0 in range(full_end, end_key, BLOCK_N):
-            keys = key0 + offs_n
-            allow = keys[None, :] <= q_pos[:, None]
-            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i,
-                                    acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                    PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
+    # Key tiles entirely at or before the first query position need no causal mask.
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    for key0 in range(0, full_end, BLOCK_N):
+        keys = key0 + offs_n
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, None, None, kv_off, m_i, l_i, acc,
+                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                PAGE, False, HEAD_DIM == BLOCK_D, DOT_PREC)
+    for key0 in range(full_end, end_key, BLOCK_N):
+        keys = key0 + offs_n
+        allow = keys[None, :] <= q_pos[:, None]
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i, acc,
+                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -199,8 +174,7 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
                 stride_vp, stride_vr, stride_vh, stride_pt, stride_sel,
                 GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, SELECTED: tl.constexpr,
-                RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, SINGLE_ONLY: tl.constexpr,
-                BLOCK_H: tl.constexpr,
+                RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One query row x one kv head (all its query heads) x one split of the row's key list.
 
@@ -212,8 +186,6 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seg, row, seg_len, j, live = _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED)
-    if SINGLE_ONLY:  # multi-row segments went to the tile kernel
-        live = live & (seg_len == 1)
     if not live:
         return
     kv_len = tl.load(kvlen_ptr + seg)
@@ -270,14 +242,12 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
 
 @triton.jit
 def _combine_kernel(o_ptr, part_o_ptr, part_lse_ptr, cu_ptr, num_segs, search_iters, num_splits, stride_ot,
-                    stride_oh, SELECTED: tl.constexpr, SINGLE_ONLY: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_oh, SELECTED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """Merge the split results of one (slot, query head) by their log-sum-exp weights."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     seg, row, seg_len, j, live = _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED)
-    if SINGLE_ONLY:
-        live = live & (seg_len == 1)
     if not live:
         return
     offs_s = tl.arange(0, BLOCK_S)
@@ -312,15 +282,13 @@ def _pick_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
                     block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int,
-                    num_blocks: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None) -> torch.Tensor:
     """Triton version of :func:`tidal.kernels.attention.paged_attention_ref` (see it for the arguments).
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
-    ``num_blocks`` (host int, at least the largest complete-block count of any segment) lets QSA
-    prefill rows run in the tile kernel with a block mask, which beats the per-row gather up to
-    :data:`QSA_TILE_MAX_KEYS` keys of context. ``num_splits`` overrides the key-split count of the row
-    kernel (a tuning/testing knob; default: chosen from the SM count). Multi-row segments go to the
-    tile kernel (QSA ones only with ``num_blocks``), the remaining rows to the row kernel.
+    ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
+    chosen from the SM count). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
+    segments to the row kernel; with ``block_sel`` every row goes to the row kernel.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -341,28 +309,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
 
-    selected = block_sel is not None
-    tile_selected = (selected and max_seqlen_q > 1 and num_blocks is not None
-                     and num_blocks * qsa_ratio <= QSA_TILE_MAX_KEYS)
-    if max_seqlen_q > 1 and (not selected or tile_selected):
+    if block_sel is None and max_seqlen_q > 1:
         block_m, block_n, warps, stages = (_TILE_CONFIGS_32BIT if wide else _TILE_CONFIGS_16BIT)[block_d]
-        bm, stride_bm = kv_lens, 0
-        if tile_selected:
-            # Byte mask of each row's selected blocks. -1 entries land in the spare last column, which
-            # only covers keys at or past every row's tail start, where the mask is not consulted.
-            bm = torch.zeros(tokens, num_blocks + 1, dtype=torch.uint8, device=q.device)
-            bm.scatter_(1, torch.where(block_sel >= 0, block_sel, num_blocks).long(), 1)
-            stride_bm = bm.stride(0)
         grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), num_segs)
         _tile_kernel[grid](
-            q, k_cache, v_cache, out, page_table, cu_seqlens_q, kv_lens, bm, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_bm,
+            q, k_cache, v_cache, out, page_table, cu_seqlens_q, kv_lens, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
             GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            DOT_PREC=dot_prec, SELECTED=tile_selected, RATIO=max(qsa_ratio, 1), num_warps=warps, num_stages=stages,
+            DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
         )
         if tokens == num_segs * max_seqlen_q:  # every segment has max_seqlen_q > 1 rows: no decodes
             return out
 
+    selected = block_sel is not None
     block_n, warps, stages = (_ROW_CONFIGS_32BIT if wide else _ROW_CONFIGS_16BIT)[block_d]
     if selected:
         assert qsa_ratio > 0, "block_sel needs qsa_ratio > 0"
@@ -386,14 +345,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qk_scale, num_segs, search_iters, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_sel,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, SELECTED=selected, RATIO=ratio, TOPK=topk,
-        SPLIT=splits > 1, SINGLE_ONLY=tile_selected, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLIT=splits > 1, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _combine_kernel[(slots, num_heads)](
             out, part_o, part_lse, cu_seqlens_q, num_segs, search_iters, splits, out.stride(0), out.stride(1),
-            SELECTED=selected, SINGLE_ONLY=tile_selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
+            SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=block_d, num_warps=4,
         )
     return out

@@ -107,18 +107,11 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).abs().max() / max(1.0, float(ref.abs().max())))
 
 
-def num_blocks(case: dict) -> int:
-    """The largest complete-block count of the case's segments (the QSA tile path's launch hint)."""
-    return int(case["kv_lens"].max()) // case["qsa_ratio"]
-
-
-def run_both(case: dict, num_splits: int | None = None, tile_qsa: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel and the reference on one case; ``tile_qsa`` sends QSA prefill rows to the tile kernel."""
+def run_both(case: dict, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     args = [case[n] for n in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "kv_lens", "scale")]
     ref = paged_attention_ref(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"])
     out = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"],
-                          max_seqlen_q=case["max_seqlen_q"], num_splits=num_splits,
-                          num_blocks=num_blocks(case) if tile_qsa else None)
+                          max_seqlen_q=case["max_seqlen_q"], num_splits=num_splits)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     return out, ref
@@ -131,13 +124,12 @@ MIXED_QSA = dict(lengths=[1, 7, 33, 1, 50, 0, 12], prefixes=[5, 0, 19, 40, 70, 4
 
 
 @pytest.mark.parametrize("head_dim,page_size", [(16, 4), (32, 16), (24, 16)])
-@pytest.mark.parametrize("selected,tile_qsa", [(False, False), (True, False), (True, True)],
-                         ids=["dense", "qsa-rows", "qsa-tiles"])
-def test_mixed_prefill_and_decode(head_dim: int, page_size: int, selected: bool, tile_qsa: bool) -> None:
+@pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
+def test_mixed_prefill_and_decode(head_dim: int, page_size: int, selected: bool) -> None:
     case = make_case(**(MIXED_QSA if selected else MIXED), heads=4, kv_heads=2, head_dim=head_dim,
                      page_size=page_size, dtype=torch.float32, device=DEVICE, seed=head_dim + page_size,
                      ratio=8 if selected else 0, topk=3 if selected else 0)
-    out, ref = run_both(case, tile_qsa=tile_qsa)
+    out, ref = run_both(case)
     assert max_rel_err(ref, loop_attention(case)) < 1e-5
     assert max_rel_err(out, ref) < 1e-5
 
@@ -183,7 +175,3 @@ def test_model_shapes_gpu(dtype: torch.dtype, tol: float, selected: bool) -> Non
     out_split = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"],
                                 max_seqlen_q=case["max_seqlen_q"], num_splits=5)
     assert max_rel_err(out_split, ref) < tol
-    if selected:  # the prefill rows through the tile kernel with a block mask, decodes split
-        out_tiles = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"],
-                                    max_seqlen_q=case["max_seqlen_q"], num_splits=5, num_blocks=num_blocks(case))
-        assert max_rel_err(out_tiles, ref) < tol

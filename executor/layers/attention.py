@@ -113,6 +113,6 @@ class GatedAttention(nn.Module):
         a = batch.all
         out = paged_attention(q, kv.k[layer], kv.v[layer], a.page_table, a.cu_seqlens, a.kv_lens, self.scale,
                               block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
-                              max_seqlen_q=a.max_seqlen, num_blocks=batch.qsa.max_blocks if self.indexer else None)
+                              max_seqlen_q=a.max_seqlen)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate)
         return self.o_proj(out)
