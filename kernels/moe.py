@@ -15,9 +15,11 @@ from .backend import use_triton
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-# On CUDA, bf16 batches of at most this many (token, expert) assignments take the Triton kernel: there
-# each expert sees a row or two and the grouped GEMM's large tiles are wasted. Not yet measured.
-TRITON_MAX_ASSIGNMENTS = 512
+# On CUDA, bf16 batches of at most this many (token, expert) assignments take the Triton kernel. Measured
+# on the H200 at the bench shapes (docs/device/bench_forward_1.log): at 8 tokens the Triton kernel took
+# 0.95 ms against 0.21 ms for torch's grouped GEMMs, at 32K 7.1 against 4.6 ms, so bf16 always takes the
+# grouped GEMM until the Triton kernel's decode tiles are tuned; Triton serves fp32 and fp16.
+TRITON_MAX_ASSIGNMENTS = 0
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +70,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 
     Each token's K expert outputs are summed in fp32 in a fixed order (no atomics), so the result is
     deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
-    cannot (fp32, fp16) or is weak (at most :data:`TRITON_MAX_ASSIGNMENTS` assignments).
+    cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments.
     """
     if (use_triton(x) and x.dtype == gate_up.dtype == down.dtype
             and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
