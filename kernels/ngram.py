@@ -44,6 +44,20 @@ def shift_within_segment(history: torch.Tensor, shift: int, eos: int) -> torch.T
     return torch.where(valid, shifted, torch.full_like(shifted, eos))
 
 
+def _hash_heads(shifted: list[torch.Tensor], multipliers: torch.Tensor, head_vocab_sizes: torch.Tensor,
+                head_offsets: torch.Tensor, heads_per_ngram: int) -> torch.Tensor:
+    """Table rows of every head from ``shifted[s]`` (the id ``s`` tokens back): n-gram order 2 first."""
+    blocks = []
+    for order in range(2, multipliers.shape[0] + 1):
+        lo = (order - 2) * heads_per_ngram
+        mixed = shifted[0] * multipliers[0]
+        for p in range(1, order):
+            mixed = torch.bitwise_xor(mixed, shifted[p] * multipliers[p])
+        sizes = head_vocab_sizes[lo:lo + heads_per_ngram]
+        blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + head_offsets[lo:lo + heads_per_ngram])
+    return torch.cat(blocks, dim=-1)
+
+
 def ngram_ids(context: torch.Tensor, tokens: torch.Tensor, eos: int, multipliers: torch.Tensor,
               head_vocab_sizes: torch.Tensor, head_offsets: torch.Tensor, heads_per_ngram: int) -> torch.Tensor:
     """Row ids into a PLE table for ``tokens`` (one sequence) after ``context`` (its previous ids).
@@ -53,15 +67,7 @@ def ngram_ids(context: torch.Tensor, tokens: torch.Tensor, eos: int, multipliers
     ngram_size = multipliers.shape[0]
     history = torch.cat([context.long(), tokens.long()])
     shifted = [shift_within_segment(history, s, eos) for s in range(ngram_size)]
-    blocks = []
-    for order in range(2, ngram_size + 1):
-        lo = (order - 2) * heads_per_ngram
-        mixed = shifted[0] * multipliers[0]
-        for p in range(1, order):
-            mixed = torch.bitwise_xor(mixed, shifted[p] * multipliers[p])
-        sizes = head_vocab_sizes[lo:lo + heads_per_ngram]
-        blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + head_offsets[lo:lo + heads_per_ngram])
-    return torch.cat(blocks, dim=-1)[context.shape[0]:]
+    return _hash_heads(shifted, multipliers, head_vocab_sizes, head_offsets, heads_per_ngram)[context.shape[0]:]
 
 
 def ngram_ids_varlen(context: torch.Tensor, tokens: torch.Tensor, row_segment: torch.Tensor,
@@ -89,12 +95,4 @@ def ngram_ids_varlen(context: torch.Tensor, tokens: torch.Tensor, row_segment: t
     history[token_at] = tokens.long()
     ngram_size = multipliers.shape[0]
     shifted = [shift_within_segment(history, s, eos)[token_at] for s in range(ngram_size)]
-    blocks = []
-    for order in range(2, ngram_size + 1):
-        lo = (order - 2) * heads_per_ngram
-        mixed = shifted[0] * multipliers[0]
-        for p in range(1, order):
-            mixed = torch.bitwise_xor(mixed, shifted[p] * multipliers[p])
-        sizes = head_vocab_sizes[lo:lo + heads_per_ngram]
-        blocks.append(torch.remainder(mixed.unsqueeze(-1), sizes) + head_offsets[lo:lo + heads_per_ngram])
-    return torch.cat(blocks, dim=-1)
+    return _hash_heads(shifted, multipliers, head_vocab_sizes, head_offsets, heads_per_ngram)
