@@ -36,6 +36,14 @@ class ServerArgs:
     checkpoint_align: int = 64
     prefill_coalesce: bool = False
     enable_cache_report: bool = False
+    # Expert and PLE residence, layer-major long prefill.
+    moe_strategy: str = "resident"  # "resident" | "offload"
+    moe_cache_slots: int | None = None
+    moe_cache_auto: bool = False
+    kv_reserve_tokens: int | None = None
+    ple_backend: str = "gpu"  # "gpu" | "pinned" | "disk"
+    prefill_layer_major: bool = False
+    layer_major_max_tokens: int = 32768
     # Wiring.
     api_key: str | None = None
     tap_addr: str | None = None
@@ -79,6 +87,22 @@ class ServerArgs:
             addr = getattr(self, name)
             need(addr is None or addr.startswith(("ipc://", "tcp://")), name,
                  f"must be an ipc:// or tcp:// address, got {addr!r}")
+        need(self.moe_strategy in ("resident", "offload"), "moe_strategy",
+             f"must be 'resident' or 'offload', got {self.moe_strategy!r}")
+        need(self.moe_cache_slots is None or self.moe_cache_slots >= 1, "moe_cache_slots",
+             f"must be >= 1, got {self.moe_cache_slots}")
+        need(not (self.moe_cache_slots is not None and self.moe_cache_auto), "moe_cache_auto",
+             "give --moe-cache-slots or --moe-cache-auto, not both")
+        need(self.moe_strategy == "offload" or (self.moe_cache_slots is None and not self.moe_cache_auto),
+             "moe_cache_slots", "an expert cache needs --moe-strategy offload")
+        need(self.kv_reserve_tokens is None or self.kv_reserve_tokens >= 0, "kv_reserve_tokens",
+             f"must be >= 0, got {self.kv_reserve_tokens}")
+        need(self.ple_backend in ("gpu", "pinned", "disk"), "ple_backend",
+             f"must be gpu, pinned or disk, got {self.ple_backend!r}")
+        need(not (self.ple_backend == "disk" and self.load_format == "random"), "ple_backend",
+             "disk reads the table from the checkpoint's safetensors files; --load-format random has none")
+        need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
+             f"must be >= 1, got {self.layer_major_max_tokens}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              f"must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -139,6 +163,22 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-align", type=int, default=d.checkpoint_align)
     p.add_argument("--prefill-coalesce", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--moe-strategy", default=d.moe_strategy, choices=["resident", "offload"],
+                   help="resident: every expert on the device; offload: experts in (pinned) host memory, a device "
+                        "expert cache, whole layers streamed for large prefills")
+    p.add_argument("--moe-cache-slots", type=int, default=None, help="experts the device cache holds (offload)")
+    p.add_argument("--moe-cache-auto", action="store_true",
+                   help="size the expert cache from the device memory left after weights and KV (offload)")
+    p.add_argument("--kv-reserve-tokens", type=int, default=None,
+                   help="with --moe-cache-auto: KV tokens to keep room for before sizing the expert cache")
+    p.add_argument("--ple-backend", default=d.ple_backend, choices=["gpu", "pinned", "disk"],
+                   help="where PLE n-gram tables live: on the device, in pinned host memory, or read on demand "
+                        "from the checkpoint files")
+    p.add_argument("--prefill-layer-major", action="store_true",
+                   help="run an eligible long prefill layer by layer over all its internal chunks (one scheduling "
+                        "turn), so each layer's streamed experts cross to the device once")
+    p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
+                   help="the most new prompt tokens a layer-major prefill takes")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tap-addr", default=None, help="ZeroMQ address of the tap PUB socket")
     for name in ("scheduler", "executor", "detokenizer", "frontend", "control"):

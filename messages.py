@@ -103,6 +103,7 @@ class SchedulerStats(Struct, tag="SchedulerStats"):
     state_slots_cached: int
     state_slots_total: int
     counters: dict[str, int] = {}
+    expert_stats: dict[str, list[int]] = {}
 
 
 # ---- detokenizer -> frontend ------------------------------------------------------------------
@@ -143,7 +144,9 @@ class Batch(Struct, tag="Batch", omit_defaults=True):
     segments: list[SegmentSpec]
     # [src_slot, dst_slot] state copies applied before the forward (prefix-cache restores).
     copies: list[list[int]] = []
+    # "chunked", or "layer_major": one segment run layer by layer over internal chunks of chunk_size.
     mode: str = "chunked"
+    chunk_size: int = 0
 
 
 class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
@@ -151,6 +154,8 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
     # One sampled id per segment, -1 where the segment did not sample.
     token_ids: list[int]
     error: str | None = None
+    # Cumulative executor counters, one value per MoE layer (expert loads, bytes, whole-layer streams).
+    expert_stats: dict[str, list[int]] = {}
 
 
 # ---- lifecycle --------------------------------------------------------------------------------

@@ -222,8 +222,13 @@ def _qsa_blocks(segments: list[Segment], page_table: torch.Tensor, page_size: in
 
 
 def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPool | None, states: StatePool,
-                        ngram_eos: int, device: torch.device, qsa_ratio: int = 0) -> ForwardBatch:
-    """Device metadata for ``segments`` (decodes first, then prefills; rows in that order)."""
+                        ngram_eos: int, device: torch.device, qsa_ratio: int = 0,
+                        ngram_context: torch.Tensor | None = None) -> ForwardBatch:
+    """Device metadata for ``segments`` (decodes first, then prefills; rows in that order).
+
+    ``ngram_context`` overrides the segments' n-gram contexts (read from their slots otherwise): an
+    internal chunk of a layer-major prefill takes it from the ids before it.
+    """
     num_decodes = sum(1 for s in segments if s.length == 1)
     assert all(s.length == 1 for s in segments[:num_decodes]), "decode segments must come first"
     page_size = kv.page_size if kv is not None else 1
@@ -242,11 +247,11 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
         pages = all_group.page_table[row_segment, positions // page_size].long()
         kv_write_rows = pages * page_size + positions % page_size
     width = states.ngram_context.shape[1]
-    if width:
+    if ngram_context is None and width:
         slots = all_group.slots
         ctx = states.ngram_context[slots]
         ngram_context = torch.where(all_group.fresh[:, None], torch.full_like(ctx, ngram_eos), ctx)
-    else:
+    elif ngram_context is None:
         ngram_context = torch.empty(len(segments), 0, dtype=torch.long, device=device)
     qsa = None
     if kv is not None and qsa_ratio:

@@ -44,14 +44,32 @@ def resolve_dtype(name: str | torch.dtype | None, config: ModelConfig, device: s
     return parse_dtype(name)
 
 
-def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> Qwen4ExpForCausalLM:
-    """The module tree with uninitialised parameters on ``device``; integer buffers are filled."""
+def host_resident(name: str, moe_strategy: str = "resident", ple_backend: str = "gpu") -> bool:
+    """Whether parameter ``name`` lives in host memory: routed experts under ``--moe-strategy offload``,
+    PLE tables under ``--ple-backend pinned`` (``disk`` keeps none: rows are read from the files)."""
+    if moe_strategy == "offload" and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return True
+    return ple_backend != "gpu" and name.endswith("ngram_embedding.weight")
+
+
+def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, moe_strategy: str = "resident",
+                ple_backend: str = "gpu") -> Qwen4ExpForCausalLM:
+    """The module tree with uninitialised parameters on ``device`` (host-resident ones in host memory,
+    pinned when the device is a GPU; a ``disk`` PLE table as an empty placeholder); integer buffers
+    are filled."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
-    for module in model.modules():
+    pin = torch.device(device).type == "cuda"
+    for prefix, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            setattr(module, name, torch.nn.Parameter(
-                torch.empty(param.shape, dtype=dtype, device=device), requires_grad=False))
+            full = f"{prefix}.{name}" if prefix else name
+            if ple_backend == "disk" and full.endswith("ngram_embedding.weight"):
+                tensor = torch.empty((0, param.shape[1]), dtype=dtype, device="cpu")
+            elif host_resident(full, moe_strategy, ple_backend):
+                tensor = torch.empty(param.shape, dtype=dtype, device="cpu", pin_memory=pin)
+            else:
+                tensor = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
     # Integer buffers (n-gram hashing constants) were derived from the config on the CPU.
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
@@ -61,31 +79,37 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               load_format: str = "safetensors", seed: int = 0) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+               load_format: str = "safetensors", seed: int = 0, moe_strategy: str = "resident",
+               ple_backend: str = "gpu") -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
     config = ModelConfig.from_file(path)
     torch_dtype = resolve_dtype(dtype, config, str(device))
-    model = empty_model(config, device, torch_dtype)
+    model = empty_model(config, device, torch_dtype, moe_strategy, ple_backend)
     if load_format == "random":
-        fill_random(model, config, seed)
+        if ple_backend == "disk":
+            raise ValueError("--ple-backend disk reads the table from the checkpoint's files; --load-format random "
+                             "has none")
+        fill_random(model, config, seed, device)
     elif load_format == "safetensors":
-        load_safetensors(model, config, path)
+        load_safetensors(model, config, path, skip_ple_tables=ple_backend == "disk")
     else:
         raise ValueError(f"--load-format {load_format!r} is not supported; expected 'safetensors' or 'random'")
     return model, config
 
 
-def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int) -> None:
-    """Seeded weights, rounded through the checkpoint's dtype, generated on the parameters' device.
+def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, device: str | torch.device) -> None:
+    """Seeded weights, rounded through the checkpoint's dtype, generated on the model's ``device``
+    (and copied to host memory for host-resident parameters).
 
     On the CPU these are exactly the values ``tidal checkpoint`` writes with this seed. On a GPU the
     device's generator makes them (seconds instead of minutes for the 13 G-parameter ``bench``
-    preset): deterministic per seed and device type, but not equal to the CPU's values.
+    preset): deterministic per seed and device type, whatever lives where, but not equal to the
+    CPU's values.
     """
     stored = DTYPES.get(config.torch_dtype, torch.bfloat16)
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        value = random_tensor(name, tuple(param.shape), config, seed, device=param.device)
+        value = random_tensor(name, tuple(param.shape), config, seed, device=device)
         param.data.copy_(value.to(stored))
         del value
     if config.tie_word_embeddings:
@@ -104,7 +128,10 @@ def _safetensor_files(path: str) -> list[str]:
     return files
 
 
-def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str) -> None:
+def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
+                     skip_ple_tables: bool = False) -> None:
+    """Fill ``model`` from the checkpoint's files; with ``skip_ple_tables`` the PLE shards stay on disk
+    (they are only checked to exist: ``--ple-backend disk`` reads them on demand)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     filled: set[str] = set()
@@ -164,6 +191,9 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str)
     for name, shards in ple_shards.items():
         if name not in params:
             unexpected.extend(key for _, _, key in shards)
+            continue
+        if skip_ple_tables:
+            filled.add(name)
             continue
         shards.sort()
         indices = [i for i, _, _ in shards]

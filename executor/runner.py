@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from ..messages import Batch, SamplingParams
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
+from .offload.experts import ExpertStore
 from .sampler import Sampler
 
 GREEDY = SamplingParams()
@@ -26,11 +28,12 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: Qwen4ExpForCausalLM, config: ModelConfig, kv: KVPool, states: StatePool,
-                 device: torch.device | str, seed: int = 0):
+                 device: torch.device | str, seed: int = 0, expert_store: ExpertStore | None = None):
         self.model, self.config = model, config
         self.kv, self.states = kv, states
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.expert_store = expert_store
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
@@ -41,7 +44,14 @@ class ModelRunner:
         specs = batch.segments
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
         fb = self._forward_batch([specs[i] for i in order])
-        streams, pending = self.model(fb)
+        shift = 0  # rows of the segment before the returned streams' first row
+        if batch.mode == "layer_major":
+            if any(spec.want_logits for spec in specs):
+                raise ValueError("a layer-major batch samples; it cannot return every row's logits")
+            streams, pending = self._layer_major(fb, batch.chunk_size)
+            shift = fb.num_tokens - streams.shape[0]
+        else:
+            streams, pending = self.model(fb)
         self._finish_states(fb)
 
         # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
@@ -58,7 +68,7 @@ class ModelRunner:
         out = RunnerOutput(token_ids=[-1] * len(specs))
         if not rows:
             return out
-        logits = self.model.logits(streams, pending, torch.tensor(rows, device=self.device)).float()
+        logits = self.model.logits(streams, pending, torch.tensor(rows, device=self.device) - shift).float()
         for i, spec in enumerate(specs):
             if spec.want_logits:
                 out.logits[i] = logits[spans[i][0]:spans[i][1]]
@@ -70,6 +80,43 @@ class ModelRunner:
             for i, tok in zip(sampled, ids):
                 out.token_ids[i] = tok
         return out
+
+    def _layer_major(self, outer: ForwardBatch, chunk: int):
+        """One long segment, each decoder layer over all its internal chunks before the next layer.
+
+        Internal chunks keep their absolute positions and the outer checkpoint plan projected onto
+        them: an export inside a chunk is that chunk's internal export; one at a chunk boundary is
+        copied per layer right after the layer finishes that chunk (the slot moves on with the next
+        chunk). The outer batch finishes the n-gram contexts and end-of-segment exports as usual.
+        Only the last chunk's streams (and pending residual) are returned: the sampled row is its last.
+        """
+        if len(outer.segments) != 1 or chunk < 1:
+            raise ValueError("a layer-major batch holds exactly one segment and a chunk size")
+        seg = outer.segments[0]
+        width = self.states.ngram_context.shape[1]
+        history = torch.cat([outer.ngram_context[0], outer.input_ids])  # context ids, then the tokens
+        eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
+        ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
+        ids = outer.input_ids.tolist()
+        chunks, boundary_exports = [], []
+        for lo in range(0, seg.length, chunk):
+            hi = min(lo + chunk, seg.length)
+            part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
+                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
+            chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
+                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
+            boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
+        model = self.model.model
+        hold = self.expert_store.hold() if self.expert_store is not None else contextlib.nullcontext()
+        with hold:
+            streams = [model.embed(fb.input_ids) for fb in chunks]
+            pending = [None] * len(chunks)
+            for layer in model.layers:
+                for k, fb in enumerate(chunks):
+                    streams[k], pending[k] = layer(streams[k], pending[k], fb)
+                    for dst in boundary_exports[k]:
+                        self.states.copy_layer(layer.layer_idx, seg.slot, dst)
+        return streams[-1], pending[-1]
 
     def _forward_batch(self, specs) -> ForwardBatch:
         segments, ids = [], []
@@ -112,12 +159,49 @@ class ModelRunner:
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
 def build_runner(args, config: ModelConfig, sizes, model_path: str) -> ModelRunner:
-    """Load weights and allocate the pools ``sizes`` describes on ``args``' device."""
+    """Load weights and allocate the pools ``sizes`` describes on ``args``' device; with offload, the
+    expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``."""
     from .loader import load_model, resolve_dtype
+    from .offload.ple_table import DiskTable, PinnedTable, find_ple_shards
 
     device = args.resolved_device()
     dtype = resolve_dtype(args.dtype, config, device)
-    model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed)
+    model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
+                          moe_strategy=args.moe_strategy, ple_backend=args.ple_backend)
     kv = KVPool(config, sizes.num_pages, sizes.page_size, device, dtype)
     states = StatePool(config, sizes.num_slots, device, dtype)
-    return ModelRunner(model, config, kv, states, device, seed=args.seed)
+    for name, module in model.named_modules():
+        if name.endswith("ple.ple_embedding"):
+            table = f"{name}.ngram_embedding.weight"
+            if args.ple_backend == "pinned":
+                module.table = PinnedTable(module.ngram_embedding.weight.data)
+            elif args.ple_backend == "disk":
+                dim = module.ngram_embedding.weight.shape[1]
+                module.table = DiskTable(find_ple_shards(model_path, table, dim), dim, dtype)
+    store = None
+    if args.moe_strategy == "offload":
+        experts = {layer.layer_idx: layer.mlp.experts for layer in model.model.layers}
+        slots = args.moe_cache_slots or expert_cache_auto(args, config, kv, experts, device)
+        store = ExpertStore({i: e.gate_up_proj.data for i, e in experts.items()},
+                            {i: e.down_proj.data for i, e in experts.items()}, slots, device)
+        for e in experts.values():
+            e.store = store
+    return ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store)
+
+
+def expert_cache_auto(args, config: ModelConfig, kv: KVPool, experts: dict, device: str) -> int:
+    """``--moe-cache-auto`` (and the default under offload): the experts that fit in 90% of the device
+    memory left after weights, pools, ``--kv-reserve-tokens`` of KV and the two whole-layer buffers;
+    on the CPU, every expert."""
+    total = config.num_experts * len(experts)
+    if torch.device(device).type != "cuda":
+        return total
+    one = next(iter(experts.values()))
+    expert_bytes = (one.gate_up_proj[0].numel() + one.down_proj[0].numel()) * one.gate_up_proj.element_size()
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    free -= (args.kv_reserve_tokens or 0) * kv.bytes_per_token() + 2 * config.num_experts * expert_bytes
+    slots = int(free * 0.9) // expert_bytes
+    if slots < config.num_experts_per_tok:
+        raise RuntimeError(f"--moe-cache-auto: only {max(slots, 0)} experts fit on the device after the weights, "
+                           f"pools and --kv-reserve-tokens; a token needs {config.num_experts_per_tok}")
+    return min(slots, total)

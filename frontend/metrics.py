@@ -73,4 +73,10 @@ class Metrics:
             lines += [f"# TYPE {name} gauge", f"{name} {value}"]
         for name, value in sorted(s.counters.items()):
             lines += [f"# TYPE tidal_scheduler_{name}_total counter", f"tidal_scheduler_{name}_total {value}"]
+        helps = {"expert_loads": "Experts copied host-to-device (--moe-strategy offload), by MoE layer.",
+                 "expert_bytes": "Bytes of experts copied host-to-device, by MoE layer.",
+                 "expert_layer_streams": "Whole layers of experts streamed to the device, by MoE layer."}
+        for name, values in sorted(s.expert_stats.items()):
+            lines += [f"# HELP tidal_{name}_total {helps.get(name, name)}", f"# TYPE tidal_{name}_total counter"]
+            lines += [f'tidal_{name}_total{{layer="{i}"}} {v}' for i, v in enumerate(values)]
         return "\n".join(lines) + "\n"

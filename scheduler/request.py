@@ -41,6 +41,7 @@ class Request:
     restore: object | None = None  # the locked Checkpoint restored by the first forward
     copies: list[list[int]] = field(default_factory=list)  # [src, dst] slot copies for the first forward
     branch: int = 0  # prompt tokens already cached as KV pages when admitted
+    layer_major: bool = False  # its long prompt forward runs layer-major (decided at admission)
     page_keys: list[bytes] = field(default_factory=list)  # chain hashes of the pages indexed so far
     rolling_slot: int | None = None  # end-of-request checkpoint, rewritten at each aligned position
     rolling_pos: int | None = None

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..messages import Batch, Detokenize, GenerateReq, Plan, PromptAdmitted, SchedulerStats, SegmentSpec, Usage
 from ..sizing import PoolSizes
 from .checkpoint_plan import CheckpointPlan, plan_prompt
+from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool
 from .prefix_cache import PrefixCache
 from .request import Request, Status
@@ -46,6 +47,8 @@ class Scheduler:
                 self.pages, SlotPool(sizes.checkpoint_slots, start=sizes.request_slots), sizes.page_size,
                 args.checkpoint_align, needs_state=bool(config.linear_layers or config.ple_layers),
                 counters=self.counters)
+        # The executor's cumulative per-MoE-layer counters (offload), passed through to /metrics.
+        self.expert_stats: dict[str, list[int]] = {}
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
@@ -110,11 +113,14 @@ class Scheduler:
                 segments.append(self._decode_segment(req))
         budget = self.args.max_prefill_length or float("inf")
         used = 0
+        mode = "chunked"
         for req in self.running.values():
             if req.prefill_done or req.in_flight:
                 continue
             start, end = req.chunks[req.next_chunk]
-            if used and used + (end - start) > budget:
+            # A layer-major forward (longer than one chunk) is the whole turn.
+            alone = req.layer_major and end - start > budget
+            if (used and used + (end - start) > budget) or (alone and segments):
                 break
             exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
             last = end == req.prompt_len
@@ -130,12 +136,16 @@ class Scheduler:
             copies += req.copies
             req.copies = []
             used += end - start
+            if alone:
+                mode = "layer_major"
+                break
         if not segments:
             return None
         for seg in segments:
             self.requests[seg.rid].in_flight = True
         self.batch_id += 1
-        return Batch(batch_id=self.batch_id, segments=segments, copies=copies)
+        return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
+                     chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0)
 
     def _decode_segment(self, req: Request) -> SegmentSpec:
         start = req.num_computed
@@ -236,13 +246,15 @@ class Scheduler:
             req.status = Status.RUNNING
             if req.restore is not None:
                 req.copies = [[req.restore.slot, req.slot]]
+            req.layer_major, why = layer_major_decision(self.args, req.prompt_len - req.cached_tokens,
+                                                        len(self.running) + len(self.waiting), req.want_logits)
             plan = self._plan(req)
             self.running[req.rid] = req
             self.counters["prompt_tokens"] += req.prompt_len
             self.emit(PromptAdmitted(
                 rid=req.rid, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
-                plan=Plan(mode="chunked", chunks=[list(c) for c in req.chunks],
-                          checkpoints=plan.checkpoints, reason=plan.reason),
+                plan=Plan(mode="layer_major" if req.layer_major else "chunked", chunks=[list(c) for c in req.chunks],
+                          checkpoints=plan.checkpoints, reason=f"{why}; {plan.reason}"),
             ))
 
     def _take_memory(self, req: Request) -> bool:
@@ -275,7 +287,8 @@ class Scheduler:
     def _plan(self, req: Request) -> CheckpointPlan:
         cache = self.cache if not req.want_logits else None
         plan = plan_prompt(
-            prompt_len=req.prompt_len, cached=req.cached_tokens, max_chunk=self.args.max_prefill_length,
+            prompt_len=req.prompt_len, cached=req.cached_tokens,
+            max_chunk=None if req.layer_major else self.args.max_prefill_length,
             align=self.args.checkpoint_align, coalesce=self.args.prefill_coalesce,
             checkpoint=cache is not None and cache.needs_state, branch=req.branch,
         )
@@ -355,4 +368,5 @@ class Scheduler:
             kv_pages_total=self.pages.total,
             state_slots_in_use=self.slots.total - self.slots.num_free + ckpt_used - cached_slots,
             state_slots_cached=cached_slots, state_slots_total=self.sizes.num_slots, counters=dict(self.counters),
+            expert_stats=self.expert_stats,
         )

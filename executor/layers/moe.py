@@ -33,29 +33,35 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class ResidentExperts(nn.Module):
-    """All experts of a layer in device memory as fused 3-D tensors (``--moe-strategy resident``).
+class RoutedExperts(nn.Module):
+    """A layer's experts as fused 3-D tensors: ``gate_up_proj[e]`` is ``[2 * I, H]`` (gate rows first),
+    ``down_proj[e]`` is ``[H, I]``.
 
-    ``gate_up_proj[e]`` is ``[2 * I, H]`` (gate rows first), ``down_proj[e]`` is ``[H, I]``.
+    ``--moe-strategy resident``: the tensors are on the device and used directly. ``offload``: they
+    are this layer's host bank, and ``store`` (an :class:`~tidal.executor.offload.experts.ExpertStore`
+    shared by all layers) brings the routed experts to the device.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer_idx: int):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts, self.layer_idx = num_experts, layer_idx
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.store = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.store is not None:
+            return self.store.forward(self.layer_idx, x, ids, weights)
         return fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         c = config
         self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts)
-        self.experts = ResidentExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        self.experts = RoutedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, layer_idx)
         self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = Linear(c.hidden_size, 1)
 

@@ -28,10 +28,12 @@ def hashing_constants(config: ModelConfig, ple_layer_index: int) -> dict[str, to
 
 
 class NGramEmbedding(nn.Module):
-    """One PLE layer's hashed n-gram table (``--ple-backend gpu``: the table in device memory).
+    """One PLE layer's hashed n-gram table.
 
     ``ngram_heads`` heads (``heads_per_ngram`` per order 2..ngram_size) each hash into their own
-    prime-sized range of one table; a token's embedding is its heads' rows concatenated.
+    prime-sized range of one table; a token's embedding is its heads' rows concatenated. With
+    ``--ple-backend gpu`` the parameter is on the device and indexed directly; ``pinned`` and ``disk``
+    set ``table`` (a :class:`~tidal.executor.offload.ple_table.PLETable`) that gathers the rows.
     """
 
     def __init__(self, config: ModelConfig, ple_layer_index: int):
@@ -41,6 +43,7 @@ class NGramEmbedding(nn.Module):
         self.heads_per_ngram = c.heads_per_ngram
         for name, value in hashing_constants(c, ple_layer_index).items():
             self.register_buffer(name, value)
+        self.table = None
         self.ngram_embedding = nn.Module()
         self.ngram_embedding.weight = nn.Parameter(
             torch.empty(c.ngram_table_rows(ple_layer_index), c.ple_embed_dim // c.ngram_heads), requires_grad=False
@@ -50,8 +53,9 @@ class NGramEmbedding(nn.Module):
         rows = ngram_ids_varlen(batch.ngram_context, batch.input_ids, batch.row_segment, batch.all.cu_seqlens,
                                 self.eos, self.layer_multipliers, self.ngram_heads_vocab_sizes,
                                 self.ngram_heads_offsets, self.heads_per_ngram)
-        table = self.ngram_embedding.weight
-        return table[rows.to(table.device)].to(batch.input_ids.device).flatten(-2)
+        if self.table is None:  # --ple-backend gpu: the parameter itself, on the device
+            return self.ngram_embedding.weight[rows].flatten(-2)
+        return self.table.gather(rows).flatten(-2)
 
 
 class PLELayer(nn.Module):

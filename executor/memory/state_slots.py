@@ -56,6 +56,12 @@ class StatePool:
         for t in self._tensors():
             t[dst].copy_(t[src])
 
+    def copy_layer(self, layer: int, src: int, dst: int) -> None:
+        """Copy only decoder layer ``layer``'s state (a layer-major prefill checkpoints layer by layer)."""
+        for table in (self.gdn_conv, self.gdn_state, self.ple_conv):
+            if layer in table:
+                table[layer][dst].copy_(table[layer][src])
+
     def copy_many(self, src: list[int], dst: list[int]) -> None:
         """:meth:`copy` for several pairs at once: one gather-scatter per state tensor (all sources are
         read before any destination is written, so the pairs must not chain)."""

@@ -24,6 +24,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: Rotary):
         super().__init__()
         c = config
+        self.layer_idx = layer_idx
         self.is_linear = c.layer_types[layer_idx] == LINEAR
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(c, layer_idx)
@@ -32,7 +33,7 @@ class DecoderLayer(nn.Module):
         self.ple = PLELayer(c, layer_idx, c.ple_layers.index(layer_idx)) if layer_idx in c.ple_layers else None
         self.attn_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
         self.mlp_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
-        self.mlp = SparseMoE(c)
+        self.mlp = SparseMoE(c, layer_idx)
 
     def forward(self, streams: torch.Tensor, pending, batch: ForwardBatch):
         """One layer over the streams ``H``.
@@ -72,11 +73,15 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps,
                                                     use_combine=False)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings repeated into the ``hc_count`` streams ``[T, hc * hidden]``."""
+        return self.embed_tokens(input_ids).repeat(1, self.config.hc_count)
+
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The ``hc_count`` residual streams ``[T, hc * hidden]`` before the last layer's MoE residual,
         and that residual still pending (``(moe_out, inject_logits)``): only the rows that need
         logits pay for it (:meth:`Qwen4ExpForCausalLM.logits`)."""
-        streams = self.embed_tokens(batch.input_ids).repeat(1, self.config.hc_count)
+        streams = self.embed(batch.input_ids)
         pending = None
         for layer in self.layers:
             streams, pending = layer(streams, pending, batch)

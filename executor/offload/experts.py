@@ -1,0 +1,163 @@
+"""Routed experts in host memory (``--moe-strategy offload``): a device expert cache and layer streaming.
+
+A real Qwen4-Exp checkpoint has 512 experts in each of 40+ layers: far more than a GPU holds next to
+its KV cache. With offload every layer's experts stay in host banks (pinned on CUDA, so copies run
+at PCIe speed and asynchronously) and the device keeps:
+
+- an **expert cache** of ``--moe-cache-slots`` experts, least-recently-used over (layer, expert)
+  pairs across all layers; a batch that routes to few experts (decoding) copies only its misses;
+- a **double buffer of whole layers** for batches whose routed set covers a large part of a layer
+  (long prefill chunks hit nearly every expert): the layer is copied whole, and the next layer is
+  copied on a side stream while this one computes.
+
+Chunked prefill streams every layer once per chunk; layer-major prefill (``hold``) streams each
+layer once for all its chunks. Counters per layer (experts copied, bytes, whole-layer streams) show
+which happened; the server reports them on ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from ...kernels.moe import fused_experts
+
+# A batch routing to more than this fraction of a layer's experts streams the whole layer.
+STREAM_FRACTION = 0.5
+
+
+class ExpertStore:
+    """Every layer's experts in host memory, served to the device through a cache and layer buffers.
+
+    Args:
+        host_gate_up, host_down: per MoE layer, ``[E, 2I, H]`` and ``[E, H, I]`` host tensors.
+        num_slots: experts the device cache holds.
+    """
+
+    def __init__(self, host_gate_up: dict[int, torch.Tensor], host_down: dict[int, torch.Tensor], num_slots: int,
+                 device: torch.device | str):
+        self.device = torch.device(device)
+        self.gate_up, self.down = host_gate_up, host_down
+        self.layers = sorted(host_gate_up)
+        first = host_gate_up[self.layers[0]]
+        self.num_experts = first.shape[0]
+        self.dtype = first.dtype
+        self.expert_bytes = (first[0].numel() + host_down[self.layers[0]][0].numel()) * first.element_size()
+        self.num_slots = num_slots
+        self.cache_gate_up = torch.empty((num_slots, *first.shape[1:]), dtype=self.dtype, device=self.device)
+        self.cache_down = torch.empty((num_slots, *host_down[self.layers[0]].shape[1:]), dtype=self.dtype,
+                                      device=self.device)
+        self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._free = list(range(num_slots))
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._buffer_layer: list[int | None] = [None, None]
+        self._buffer_ready: list[torch.cuda.Event | None] = [None, None]
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._whole_layers = False
+        self.loads = {layer: 0 for layer in self.layers}
+        self.bytes = {layer: 0 for layer in self.layers}
+        self.layer_streams = {layer: 0 for layer in self.layers}
+
+    # ---- what the MoE layer calls ----------------------------------------------------------------
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down, local_ids = self._experts_for(layer, ids)
+        return fused_experts(x, local_ids, weights, gate_up, down)
+
+    @contextmanager
+    def hold(self):
+        """Layer-major prefill: every MoE call takes its layer whole from the double buffer, so the
+        chunks of one layer share one copy and the next layer streams meanwhile. Restored on exit,
+        however it ends."""
+        previous, self._whole_layers = self._whole_layers, True
+        try:
+            yield self
+        finally:
+            self._whole_layers = previous
+
+    def stats(self) -> dict[str, list[int]]:
+        """Cumulative per-layer counters (index = position in ``layers``)."""
+        return {"expert_loads": [self.loads[i] for i in self.layers],
+                "expert_bytes": [self.bytes[i] for i in self.layers],
+                "expert_layer_streams": [self.layer_streams[i] for i in self.layers]}
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _experts_for(self, layer: int, ids: torch.Tensor):
+        if self._whole_layers:  # layer-major: whole layers, decided without looking at the routing
+            return (*self._layer(layer), ids)
+        experts = torch.unique(ids).tolist()  # offload needs the routed set on the host
+        if len(experts) > min(self.num_slots, self.num_experts) * STREAM_FRACTION:
+            return (*self._layer(layer), ids)
+        slots = self._cache(layer, experts)
+        remap = torch.full((self.num_experts,), -1, dtype=torch.long)
+        remap[experts] = torch.tensor(slots, dtype=torch.long)
+        return self.cache_gate_up, self.cache_down, remap.to(self.device)[ids]
+
+    def _cache(self, layer: int, experts: list[int]) -> list[int]:
+        """Device slots holding ``experts`` of ``layer``; misses evict the least recently used others."""
+        if len(experts) > self.num_slots:
+            raise RuntimeError(f"a batch routes to {len(experts)} experts of layer {layer} but the expert cache "
+                               f"holds {self.num_slots} (--moe-cache-slots)")
+        needed = {(layer, e) for e in experts}
+        slots = []
+        for e in experts:
+            key = (layer, e)
+            slot = self._lru.get(key)
+            if slot is None:
+                if self._free:
+                    slot = self._free.pop()
+                else:
+                    victim = next(k for k in self._lru if k not in needed)
+                    slot = self._lru.pop(victim)
+                self.cache_gate_up[slot].copy_(self.gate_up[layer][e], non_blocking=True)
+                self.cache_down[slot].copy_(self.down[layer][e], non_blocking=True)
+                self.loads[layer] += 1
+                self.bytes[layer] += self.expert_bytes
+            self._lru[key] = slot
+            self._lru.move_to_end(key)
+            slots.append(slot)
+        return slots
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole layer on the device; the next MoE layer starts copying into the other buffer."""
+        if not self._buffers:
+            for _ in range(2):
+                self._buffers.append((torch.empty_like(self.gate_up[layer], device=self.device),
+                                      torch.empty_like(self.down[layer], device=self.device)))
+        if layer not in self._buffer_layer:
+            self._fill(self._buffer_layer.index(None) if None in self._buffer_layer else
+                       self._oldest_buffer(layer), layer)
+        index = self._buffer_layer.index(layer)
+        ready = self._buffer_ready[index]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        position = self.layers.index(layer)
+        if position + 1 < len(self.layers) and self.layers[position + 1] not in self._buffer_layer:
+            self._fill(1 - index, self.layers[position + 1])
+        return self._buffers[index]
+
+    def _oldest_buffer(self, layer: int) -> int:
+        # Two buffers: the one not holding the layer just before this one (it may still be in use).
+        position = self.layers.index(layer)
+        previous = self.layers[position - 1] if position else None
+        return 1 if self._buffer_layer[0] == previous else 0
+
+    def _fill(self, index: int, layer: int) -> None:
+        gate_up, down = self._buffers[index]
+        if self._stream is not None:
+            # The buffer may still be read by work queued on the compute stream.
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                gate_up.copy_(self.gate_up[layer], non_blocking=True)
+                down.copy_(self.down[layer], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._buffer_ready[index] = event
+        else:
+            gate_up.copy_(self.gate_up[layer])
+            down.copy_(self.down[layer])
+        self._buffer_layer[index] = layer
+        self.loads[layer] += self.num_experts
+        self.bytes[layer] += self.num_experts * self.expert_bytes
+        self.layer_streams[layer] += 1

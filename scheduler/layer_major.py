@@ -1,0 +1,36 @@
+"""When a prefill runs layer-major (``--prefill-layer-major``), and why not otherwise.
+
+Layer-major prefill runs each decoder layer over all internal chunks of a long prompt before the
+next layer, so experts streamed from host memory cross to the device once per layer instead of once
+per chunk. It pays only where experts are streamed and keeps every chunk's activations alive
+between layers, so it is limited to the case the mechanism is for: one long text prompt running
+alone, on one rank, with experts offloaded and PLE tables in memory. Everything else runs chunked,
+and the plan says why.
+"""
+
+from __future__ import annotations
+
+from ..args import ServerArgs
+
+
+def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool) -> tuple[bool, str]:
+    """``(eligible, reason)`` for a prompt with ``new_tokens`` uncached tokens, while ``others``
+    other requests are running or waiting."""
+    if not args.prefill_layer_major:
+        return False, "layer-major off"
+    chunk = args.max_prefill_length
+    checks = [
+        (args.tp == 1, f"--tp {args.tp} (layer-major needs 1)"),
+        (args.moe_strategy == "offload", "experts resident (layer-major needs --moe-strategy offload)"),
+        (args.ple_backend != "disk", "--ple-backend disk (layer-major needs gpu or pinned)"),
+        (others == 0, f"{others} other request(s) running or waiting"),
+        (not want_logits, "a scoring request"),
+        (chunk is not None and new_tokens > chunk,
+         f"{new_tokens} new tokens fit one chunk (--max-prefill-length {chunk})"),
+        (new_tokens <= args.layer_major_max_tokens,
+         f"{new_tokens} new tokens exceed --layer-major-max-tokens {args.layer_major_max_tokens}"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return False, f"chunked: {why}"
+    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk}"

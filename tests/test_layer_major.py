@@ -1,0 +1,217 @@
+"""Layer-major long prefill with experts streamed from host memory, and the PLE table backends.
+
+Compared with independent runs: the resident model (every expert on the device), chunked prefill,
+and a fresh model scoring the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+from server_harness import Server, Tap
+
+from tidal import LLM
+from tidal.args import ServerArgs
+from tidal.messages import Batch, SegmentSpec
+from tidal.scheduler.layer_major import layer_major_decision
+
+CHUNK = 64
+OFFLOAD = dict(moe_strategy="offload", moe_cache_slots=4, max_prefill_length=CHUNK)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 248000, (n,), generator=gen).tolist()
+
+
+PROMPT = ids(200, 1)
+CONTINUATION = PROMPT + ids(200, 2)
+
+
+# ---- eligibility -------------------------------------------------------------------------------
+def _args(**kw) -> ServerArgs:
+    base = dict(prefill_layer_major=True, moe_strategy="offload", max_prefill_length=4096)
+    return ServerArgs(**{**base, **kw})
+
+
+def test_default_off():
+    assert ServerArgs().prefill_layer_major is False
+    ok, why = layer_major_decision(ServerArgs(moe_strategy="offload"), 10_000, 0, False)
+    assert not ok and why == "layer-major off"
+
+
+@pytest.mark.parametrize("kw,new,others,eligible,words", [
+    ({}, 4096, 0, False, "fit one chunk"),                  # == --max-prefill-length: chunked
+    ({}, 4097, 0, True, "layer-major"),                     # one more: layer-major
+    ({}, 32768, 0, True, "layer-major"),                    # at the cap
+    ({}, 32769, 0, False, "--layer-major-max-tokens"),      # over the cap
+    ({"ple_backend": "disk"}, 8000, 0, False, "disk"),
+    ({"ple_backend": "pinned"}, 8000, 0, True, "layer-major"),
+    ({}, 8000, 1, False, "other request"),                  # a second request running
+    ({"moe_strategy": "resident"}, 8000, 0, False, "offload"),
+    ({"tp": 2}, 8000, 0, False, "--tp 2"),
+])
+def test_eligibility_boundaries(kw, new, others, eligible, words):
+    ok, why = layer_major_decision(_args(**kw), new, others, False)
+    assert ok is eligible and words in why
+
+
+def test_scoring_request_is_not_layer_major():
+    ok, why = layer_major_decision(_args(), 8000, 0, True)
+    assert not ok and "scoring" in why
+
+
+# ---- greedy ids and expert streaming -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """Resident experts, chunked: the ids every other arm must reproduce."""
+    llm = LLM(tiny_checkpoint, max_prefill_length=CHUNK)
+    return llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0], \
+        llm.generate([CONTINUATION], max_tokens=8, ignore_eos=True)[0]
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["align", "coalesce"])
+@pytest.mark.parametrize("layer_major", [False, True], ids=["chunked", "layer-major"])
+def test_same_ids_cold_and_after_a_prefix_hit(tiny_checkpoint, reference, layer_major, coalesce):
+    llm = LLM(tiny_checkpoint, prefill_layer_major=layer_major, prefill_coalesce=coalesce, **OFFLOAD)
+    admitted = []
+    llm.scheduler.emit = _recording(llm, admitted)
+    cold = llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0]
+    warm = llm.generate([CONTINUATION], max_tokens=8, ignore_eos=True)[0]
+    assert (cold, warm) == reference
+    assert [a.cached_tokens for a in admitted] == [0, 192]
+    assert [a.plan.mode for a in admitted] == ["layer_major" if layer_major else "chunked"] * 2
+    if layer_major:  # one forward takes all new tokens up to the last checkpoint (or all of them)
+        assert admitted[0].plan.chunks[0] == ([0, 200] if coalesce else [0, 192])
+        assert admitted[1].plan.chunks[0] == ([192, 400] if coalesce else [192, 384])
+
+
+def _recording(llm: LLM, admitted: list):
+    from tidal.messages import PromptAdmitted
+
+    emit = llm.scheduler.emit
+
+    def record(event):
+        if isinstance(event, PromptAdmitted):
+            admitted.append(event)
+        emit(event)
+    return record
+
+
+@pytest.mark.parametrize("layer_major,expected", [(True, 1), (False, 4)], ids=["layer-major", "chunked"])
+def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny_checkpoint, layer_major, expected):
+    """200 new tokens, chunks of 64, coalesced (one planned forward): 4 chunks. Sampling one token
+    routes to 2 of 8 experts, which the 4-slot cache serves without streaming the layer."""
+    llm = LLM(tiny_checkpoint, prefill_layer_major=layer_major, prefill_coalesce=True, **OFFLOAD)
+    llm.generate([PROMPT], max_tokens=1, ignore_eos=True)
+    stats = llm.runner.expert_store.stats()
+    layers = llm.config.num_hidden_layers
+    assert stats["expert_layer_streams"] == [expected] * layers
+    experts = llm.config.num_experts
+    assert stats["expert_loads"] == [expected * experts] * layers
+    one = llm.runner.expert_store.expert_bytes
+    assert stats["expert_bytes"] == [expected * experts * one] * layers
+
+
+def test_decode_uses_the_expert_cache(tiny_checkpoint, reference):
+    llm = LLM(tiny_checkpoint, **OFFLOAD)
+    assert llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0] == reference[0]
+    stats = llm.runner.expert_store.stats()
+    # Four prefill chunks stream every layer; seven single-token decodes copy single experts only.
+    assert stats["expert_layer_streams"] == [4] * llm.config.num_hidden_layers
+    assert all(loads > 4 * llm.config.num_experts for loads in stats["expert_loads"])
+
+
+def test_context_restored_after_an_exception_in_a_middle_layer(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, prefill_layer_major=True, **OFFLOAD)
+    runner = llm.runner
+    layer = runner.model.model.layers[2]
+    original = layer.forward
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # layer 2, second internal chunk
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    layer.forward = failing
+    pages = list(range(16))
+    batch = Batch(batch_id=1, mode="layer_major", chunk_size=CHUNK, segments=[
+        SegmentSpec(rid="r", slot=0, start=0, token_ids=PROMPT[:150], pages=pages, sample=True)])
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.execute(batch)
+    layer.forward = original
+    assert runner.expert_store._whole_layers is False
+    # The runner serves on: the same tokens in another slot score like a fresh model.
+    out = runner.execute(Batch(batch_id=2, segments=[
+        SegmentSpec(rid="s", slot=1, start=0, token_ids=PROMPT[:150], pages=list(range(20, 36)),
+                    want_logits=True)]))
+    fresh = LLM(tiny_checkpoint).score(PROMPT[:150])
+    assert (out.logits[0] - fresh).abs().max().item() <= 1e-4
+
+
+def test_layer_major_batch_equals_chunked_logits(tiny_checkpoint):
+    """Runner level, with internal checkpoints at, inside and between internal chunks: the sampled
+    token and every exported state equal the chunked run's."""
+    def run(mode: str):
+        llm = LLM(tiny_checkpoint, **OFFLOAD)
+        spec = SegmentSpec(rid="r", slot=0, start=0, token_ids=PROMPT[:190], pages=list(range(12)), sample=True,
+                           exports=[[64, 10], [100, 11], [190, 12]])
+        out = llm.runner.execute(Batch(batch_id=1, mode=mode, chunk_size=CHUNK, segments=[spec]))
+        states = llm.runner.states
+        return out.token_ids, [torch.cat([t[s].flatten().float() for t in states._tensors()]) for s in (0, 10, 11, 12)]
+
+    ids_lm, states_lm = run("layer_major")
+    ids_ch, states_ch = run("chunked")
+    assert ids_lm == ids_ch
+    for a, b in zip(states_lm, states_ch):
+        assert (a - b).abs().max().item() <= 1e-4
+
+
+# ---- PLE backends --------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["pinned", "disk"])
+def test_ple_backends_give_the_same_ids(tiny_checkpoint, reference, backend):
+    llm = LLM(tiny_checkpoint, ple_backend=backend, max_prefill_length=CHUNK)
+    assert llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0] == reference[0]
+
+
+def test_disk_ple_needs_checkpoint_files():
+    with pytest.raises(ValueError, match="--ple-backend"):
+        ServerArgs(ple_backend="disk", load_format="random")
+
+
+# ---- served: abort during a layer-major prefill ---------------------------------------------------
+def test_abort_during_layer_major_prefill_leaks_nothing(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--moe-strategy", "offload", "--moe-cache-slots", "4", "--prefill-layer-major",
+                 "--max-prefill-length", "512", "--layer-major-max-tokens", "16384", api_key=None)
+    tap = Tap(srv.tap_addr)
+    try:
+        long_prompt = ids(12000, 21)
+
+        async def fire_and_drop():
+            async with aiohttp.ClientSession() as s:
+                task = asyncio.ensure_future(s.post(srv.url + "/v1/completions", json={
+                    "model": "tiny", "prompt": long_prompt, "max_tokens": 4, "temperature": 0}))
+                await asyncio.sleep(0.6)  # admitted, the layer-major turn under way
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        asyncio.run(fire_and_drop())
+        m = srv.wait_idle(timeout=60)
+        admitted = [x for x in tap.lines if x["type"] == "PromptAdmitted" and x["prompt_tokens"] == 12000]
+        assert admitted and admitted[-1]["plan"]["mode"] == "layer_major"
+        _, token_ids, final = tap.wait_finished(admitted[-1]["rid"])
+        assert final["finish_reason"] == "abort" and token_ids == []
+        assert m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0
+        assert m["tidal_requests_running"] == 0
+        # Expert counters reach /metrics, one series per MoE layer.
+        assert m['tidal_expert_layer_streams_total{layer="0"}'] >= 1
+    finally:
+        tap.close()
+        assert srv.stop() == []
