@@ -93,3 +93,24 @@ def test_numerics_check_runs_on_cpu(tmp_path):
     assert greedy["cached_tokens"] is None or greedy["cached_tokens"] > 0
     assert [g["name"] for g in res["gates"]] == ["top1_agreement", "mean_abs_nll_diff", "greedy_ids_equal"]
     assert res["pass"] == all(g["pass"] for g in res["gates"])
+
+
+def test_bench_layer_major_runs_on_cpu(tmp_path):
+    """The layer-major benchmark end to end on the tiny preset (three arms, the seed's request
+    sequence at small lengths): every request passes its checks and all arms give the same ids."""
+    out = tmp_path / "lm"
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_layer_major.py"), "--out", str(out),
+                           "--preset", "tiny", "--device", "cpu", "--cold", "600", "--continuation", "665",
+                           "--chunk", "128", "--max-tokens", "4", "--cache-fraction", "0.2"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench_layer_major.json").read_text())
+    assert set(data["summary"]) == {"chunked", "layer_major", "resident"}
+    assert all(arm["all_checks_ok"] for arm in data["summary"].values())
+    assert all(data["ids_equal_to_first_arm"].values())
+    lm = [r for r in data["arms"][1]["requests"] if r["name"] == "cold-1"][0]
+    assert lm["plan"]["mode"] == "layer_major" and lm["cached_tokens"] == 0
+    cont = [r for r in data["arms"][1]["requests"] if r["name"] == "continuation-1"][0]
+    assert cont["cached_tokens"] == 576
+    # Streamed layers are counted: the chunked arm moves more expert bytes than the layer-major one.
+    assert data["summary"]["chunked"]["h2d_bytes"] > data["summary"]["layer_major"]["h2d_bytes"] > 0
