@@ -6,9 +6,9 @@ at PCIe speed and asynchronously) and the device keeps:
 
 - an **expert cache** of ``--moe-cache-slots`` experts, least-recently-used over (layer, expert)
   pairs across all layers; a batch that routes to few experts (decoding) copies only its misses;
-- a **double buffer of whole layers** for batches whose routed set covers a large part of a layer
-  (long prefill chunks hit nearly every expert): the layer is copied whole, and the next layer is
-  copied on a side stream while this one computes.
+- a **double buffer of whole layers** for batches the cache cannot serve (more routed experts than
+  slots, or misses covering most of the layer: long prefill chunks hit nearly every expert): the
+  layer is copied whole, and the next layer is copied on a side stream while this one computes.
 
 Chunked prefill streams every layer once per chunk; layer-major prefill (``hold``) streams each
 layer once for all its chunks. Counters per layer (experts copied, bytes, whole-layer streams) show
@@ -24,7 +24,8 @@ import torch
 
 from ...kernels.moe import fused_experts
 
-# A batch routing to more than this fraction of a layer's experts streams the whole layer.
+# A batch whose cache misses exceed this fraction of a layer's experts streams the whole layer (one
+# large copy, and the next layer prefetched) instead of copying expert by expert.
 STREAM_FRACTION = 0.5
 
 
@@ -87,7 +88,8 @@ class ExpertStore:
         if self._whole_layers:  # layer-major: whole layers, decided without looking at the routing
             return (*self._layer(layer), ids)
         experts = torch.unique(ids).tolist()  # offload needs the routed set on the host
-        if len(experts) > min(self.num_slots, self.num_experts) * STREAM_FRACTION:
+        misses = sum(1 for e in experts if (layer, e) not in self._lru)
+        if len(experts) > self.num_slots or misses > self.num_experts * STREAM_FRACTION:
             return (*self._layer(layer), ids)
         slots = self._cache(layer, experts)
         remap = torch.full((self.num_experts,), -1, dtype=torch.long)
