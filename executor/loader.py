@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from .distributed import single_rank, tp
+from .distributed.shard import LazySlice, shard, shard_expert_part
 from .models import Qwen4ExpForCausalLM
 from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_tensor
 
@@ -106,10 +108,15 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
     CPU's values.
     """
     stored = DTYPES.get(config.torch_dtype, torch.bfloat16)
+    full_shapes = None
+    if tp().size > 1:  # every rank draws the full tensor and keeps its part: the same weights as one rank
+        with single_rank(), torch.device("meta"):
+            full_shapes = {n: tuple(p.shape) for n, p in Qwen4ExpForCausalLM(config).named_parameters()}
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        value = random_tensor(name, tuple(param.shape), config, seed, device=device)
+        shape = full_shapes[name] if full_shapes else tuple(param.shape)
+        value = shard(name, random_tensor(name, shape, config, seed, device=device), config)
         param.data.copy_(value.to(stored))
         del value
     if config.tie_word_embeddings:
@@ -159,7 +166,7 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                         unexpected.append(key)
                         continue
                     inter = down.shape[2]
-                    tensor = f.get_tensor(key)
+                    tensor = shard_expert_part(part, LazySlice(f.get_slice(key)), config)
                     if part == "down_proj":
                         check_shape(key, down[expert], tensor.shape)
                         down.data[expert].copy_(tensor)
@@ -174,7 +181,7 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                     ple_shards[m.group(1) + ".weight"].append((int(m.group(2)), file, key))
                     continue
                 if name in params:
-                    tensor = f.get_tensor(key)
+                    tensor = shard(name, LazySlice(f.get_slice(key)), config)
                     check_shape(key, params[name], tensor.shape)
                     params[name].data.copy_(tensor)
                     filled.add(name)
@@ -202,7 +209,7 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
         target, row = params[name], 0
         for _, file, key in shards:
             with safe_open(file, framework="pt") as f:
-                part = f.get_tensor(key)
+                part = shard(name, LazySlice(f.get_slice(key)), config)
             if part.dim() != 2 or part.shape[1] != target.shape[1] or row + part.shape[0] > target.shape[0]:
                 raise CheckpointError(
                     f"tensor {key} has shape {list(part.shape)}; the shards of {name} must stack to "

@@ -175,9 +175,13 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str) -> ModelRunn
             table = f"{name}.ngram_embedding.weight"
             if args.ple_backend == "pinned":
                 module.table = PinnedTable(module.ngram_embedding.weight.data)
-            elif args.ple_backend == "disk":
-                dim = module.ngram_embedding.weight.shape[1]
-                module.table = DiskTable(find_ple_shards(model_path, table, dim), dim, dtype)
+            elif args.ple_backend == "disk":  # whole rows on every rank
+                dim = module.dim_per_head
+                parts = find_ple_shards(model_path, table, dim)
+                rows = config.ngram_table_rows(config.ple_layers.index(int(name.split(".")[2])))
+                if sum(p.rows for p in parts) != rows:
+                    raise ValueError(f"the shards of {table} hold {sum(p.rows for p in parts)} rows, expected {rows}")
+                module.table = DiskTable(parts, dim, dtype)
     store = None
     if args.moe_strategy == "offload":
         experts = {layer.layer_idx: layer.mlp.experts for layer in model.model.layers}

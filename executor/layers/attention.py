@@ -8,6 +8,8 @@ from torch import nn
 from ...config import ModelConfig
 from ...kernels.attention import paged_attention
 from ...kernels.qsa import pick_blocks
+from ..distributed import split
+from ..distributed.shard import kv_heads
 from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 from .rotary import Rotary
@@ -81,7 +83,10 @@ class GatedAttention(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        # This rank's query and KV heads (all of them without tensor parallelism).
+        self.num_heads = split(c.num_attention_heads, "num_attention_heads")[1]
+        self.num_kv_heads = kv_heads(c)[1]
+        self.head_dim = c.head_dim
         self.scale = self.head_dim ** -0.5
         self.rotary = rotary
         self.q_proj = Linear(c.hidden_size, self.num_heads * self.head_dim * 2, bias=c.attention_bias)
@@ -115,4 +120,4 @@ class GatedAttention(nn.Module):
                               block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
                               max_seqlen_q=a.max_seqlen)
         out = out.reshape(tokens, -1) * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(out)  # a partial sum over this rank's heads under tensor parallelism

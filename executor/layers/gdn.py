@@ -10,6 +10,7 @@ from ...config import ModelConfig
 from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
 from ...kernels.norm import gated_rms_norm
+from ..distributed import split
 from ..forward_batch import ForwardBatch
 from .linear import Linear
 
@@ -19,11 +20,13 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_k_heads = split(c.linear_num_key_heads, "linear_num_key_heads")[1]
+        self.num_v_heads = split(c.linear_num_value_heads, "linear_num_value_heads")[1]
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = c.gdn_conv_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel_size = c.linear_conv_kernel_dim
         self.eps = c.rms_norm_eps
         self.gate_act = c.output_gate_type
@@ -64,6 +67,7 @@ class GatedDeltaNet(nn.Module):
             self._prefill(qkv[p.rows], g[p.rows], beta[p.rows], core[p.rows], conv_slots, rec_slots, weight, batch)
         out = gated_rms_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
                              self.norm.weight, self.eps, self.gate_act)
+        # Under tensor parallelism a partial sum over this rank's heads: the decoder layer reduces it.
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
     def _prefill(self, x, g, beta, core, conv_slots, rec_slots, weight, batch: ForwardBatch) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from ...kernels.backend import use_triton
 from ...kernels.hyper_connection import hc_block_input, hc_residual_norm
+from ..distributed import split, tp
 from .linear import Linear, RMSNorm
 
 
@@ -48,7 +49,9 @@ class GatedResidual(nn.Module):
         self.hc_count, self.hidden, self.lowrank = hc_count, hidden, lowrank
         width = hc_count * hidden
         self.hc_norm = RMSNorm(width, eps, group_size=hidden)
-        self.input_mix_weight_down = Linear(width, lowrank)
+        # Under tensor parallelism each rank holds the columns of its input slice (a partial mix).
+        self._cols = split(width, "hc_count * hidden_size")
+        self.input_mix_weight_down = Linear(self._cols[1], lowrank)
         self.input_mix_weight_up = Linear(lowrank, width)
         self.block_inject_weight = Linear(width, hc_count) if use_combine else None
         # [down; inject] weight for one GEMM over `normed` on the GPU, and what it was built from.
@@ -72,7 +75,12 @@ class GatedResidual(nn.Module):
         read once) and the logits come back as a column slice of its output.
         """
         hc = self.hc_count
-        if self.block_inject_weight is not None and use_triton(normed):
+        group = tp()
+        if group.size > 1:
+            start, count = self._cols
+            down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
+            logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
+        elif self.block_inject_weight is not None and use_triton(normed):
             both = F.linear(normed, self._down_inject_weight())
             down, logits = both[..., :self.lowrank], both[..., self.lowrank:self.lowrank + hc]
         else:

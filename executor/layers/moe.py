@@ -9,6 +9,7 @@ from torch import nn
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.moe import fused_experts, route
+from ..distributed import split
 from .linear import Linear
 
 
@@ -61,8 +62,12 @@ class SparseMoE(nn.Module):
         c = config
         self.top_k, self.renormalize = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = Linear(c.hidden_size, c.num_experts)
-        self.experts = RoutedExperts(c.num_experts, c.hidden_size, c.moe_intermediate_size, layer_idx)
-        self.shared_expert = SharedExpert(c.hidden_size, c.shared_expert_intermediate_size)
+        # Under tensor parallelism each rank holds a slice of every expert's intermediate dimension,
+        # and the output is a partial sum that the decoder layer reduces.
+        self.experts = RoutedExperts(c.num_experts, c.hidden_size,
+                                     split(c.moe_intermediate_size, "moe_intermediate_size")[1], layer_idx)
+        self.shared_expert = SharedExpert(
+            c.hidden_size, split(c.shared_expert_intermediate_size, "shared_expert_intermediate_size")[1])
         self.shared_expert_gate = Linear(c.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from torch import nn
 from ...config import ModelConfig
 from ...kernels.conv import causal_conv1d_varlen, conv_windows
 from ...kernels.ngram import layer_multipliers, ngram_ids_varlen
+from ..distributed import split, tp
 from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 
@@ -44,9 +45,12 @@ class NGramEmbedding(nn.Module):
         for name, value in hashing_constants(c, ple_layer_index).items():
             self.register_buffer(name, value)
         self.table = None
+        self.dim_per_head = c.ple_embed_dim // c.ngram_heads
         self.ngram_embedding = nn.Module()
         self.ngram_embedding.weight = nn.Parameter(
-            torch.empty(c.ngram_table_rows(ple_layer_index), c.ple_embed_dim // c.ngram_heads), requires_grad=False
+            torch.empty(c.ngram_table_rows(ple_layer_index),
+                        split(self.dim_per_head, "the PLE embedding dimension per head")[1]),
+            requires_grad=False
         )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -54,8 +58,13 @@ class NGramEmbedding(nn.Module):
                                 self.eos, self.layer_multipliers, self.ngram_heads_vocab_sizes,
                                 self.ngram_heads_offsets, self.heads_per_ngram)
         if self.table is None:  # --ple-backend gpu: the parameter itself, on the device
-            return self.ngram_embedding.weight[rows].flatten(-2)
-        return self.table.gather(rows).flatten(-2)
+            emb = self.ngram_embedding.weight[rows]
+        else:
+            emb = self.table.gather(rows)
+        if emb.shape[-1] == self.dim_per_head:  # a disk table reads whole rows on every rank
+            return emb.flatten(-2)
+        # Under tensor parallelism each rank holds a slice of every row: gather the full rows.
+        return tp().all_gather(emb, dim=-1).flatten(-2)
 
 
 class PLELayer(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...config import ModelConfig
+from ..distributed.shard import kv_heads
 
 
 class KVPool:
@@ -26,7 +27,7 @@ class KVPool:
         self.index_k: dict[int, torch.Tensor] = {}
         self.index_block_k: dict[int, torch.Tensor] = {}
         for layer in config.attention_layers:
-            shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
+            shape = (num_pages, page_size, kv_heads(config)[1], config.head_dim)  # this rank's KV heads
             self.k[layer] = torch.zeros(shape, dtype=dtype, device=device)
             self.v[layer] = torch.zeros(shape, dtype=dtype, device=device)
             if config.has_qsa:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...config import ModelConfig
+from ..distributed import split
+from ..distributed.shard import gdn_sections
 
 
 class StatePool:
@@ -25,12 +27,14 @@ class StatePool:
         c = config
         self.gdn_conv: dict[int, torch.Tensor] = {}
         self.gdn_state: dict[int, torch.Tensor] = {}
+        conv_dim = sum(count for _, count in gdn_sections(c)) if c.linear_layers else 0  # this rank's channels
+        value_heads = split(c.linear_num_value_heads, "linear_num_value_heads")[1] if c.linear_layers else 0
         for layer in c.linear_layers:
             self.gdn_conv[layer] = torch.zeros(
-                (num_slots, c.linear_conv_kernel_dim - 1, c.gdn_conv_dim), dtype=dtype, device=device
+                (num_slots, c.linear_conv_kernel_dim - 1, conv_dim), dtype=dtype, device=device
             )
             self.gdn_state[layer] = torch.zeros(
-                (num_slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
+                (num_slots, value_heads, c.linear_key_head_dim, c.linear_value_head_dim),
                 dtype=torch.float32, device=device,
             )
         self.ple_conv: dict[int, torch.Tensor] = {}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ...config import LINEAR, ModelConfig
+from ..distributed import tp
 from ..forward_batch import ForwardBatch
 from ..layers.attention import GatedAttention
 from ..layers.gdn import GatedDeltaNet
@@ -56,9 +57,12 @@ class DecoderLayer(nn.Module):
             streams, normed = hc_attn.add_and_norm(streams, *pending)
         block_in, inject = hc_attn.mix(normed)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        streams, normed = hc_mlp.add_and_norm(streams, mixer(block_in, batch), inject)
+        # Under tensor parallelism the mixer and the MoE return partial sums over this rank's heads
+        # and intermediate slice; they are reduced here, at the decoder layer.
+        group = tp()
+        streams, normed = hc_mlp.add_and_norm(streams, group.all_reduce(mixer(block_in, batch)), inject)
         block_in, inject = hc_mlp.mix(normed)
-        return streams, (self.mlp(block_in), inject)
+        return streams, (group.all_reduce(self.mlp(block_in)), inject)
 
 
 class Qwen4ExpModel(nn.Module):
