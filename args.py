@@ -23,6 +23,10 @@ class ServerArgs:
     device: str = "auto"  # "auto": cuda if available, else cpu
     dtype: str = "auto"
     tp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # tcp://host:port of rank 0's process-group store
+    hc_prefill_mode: str = "off"  # "off" | "control" | "shard"
     load_format: str = "safetensors"
     seed: int = 0
     max_model_len: int | None = None
@@ -63,6 +67,18 @@ class ServerArgs:
                 raise ArgsError(f"--{flag.replace('_', '-')}: {msg}")
 
         need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        need(self.nnodes >= 1 and self.tp % self.nnodes == 0, "nnodes",
+             f"must be >= 1 and divide --tp {self.tp}, got {self.nnodes}")
+        need(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
+        need(self.dist_init_addr is None or self.dist_init_addr.startswith("tcp://"), "dist_init_addr",
+             f"must be a tcp://host:port address, got {self.dist_init_addr!r}")
+        if self.nnodes > 1:
+            for name in ("dist_init_addr", "scheduler_addr", "executor_addr", "control_addr"):
+                addr = getattr(self, name)
+                need(addr is not None and addr.startswith("tcp://"), name,
+                     f"with --nnodes {self.nnodes} every host must reach it: give a tcp:// address")
+        need(self.hc_prefill_mode in ("off", "control", "shard"), "hc_prefill_mode",
+             f"must be off, control or shard, got {self.hc_prefill_mode!r}")
         need(0 < self.port < 65536, "port", f"must be in [1, 65535], got {self.port}")
         need(self.max_running_requests >= 1, "max_running_requests",
              f"must be >= 1, got {self.max_running_requests}")
@@ -106,6 +122,11 @@ class ServerArgs:
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              f"must be debug, info, warning or error, got {self.log_level!r}")
 
+    def local_ranks(self) -> list[int]:
+        """The TP ranks whose executors run on this host."""
+        per = self.tp // self.nnodes
+        return list(range(self.node_rank * per, (self.node_rank + 1) * per))
+
     def executor_addrs(self) -> list[str]:
         template = self.executor_addr or ""
         if self.tp > 1 and "{rank}" not in template:
@@ -148,7 +169,17 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--device", default=d.device, help="cuda, cpu, or auto (cuda if available)")
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (executors)")
+    p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (one executor process each)")
+    p.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the --tp ranks span (equal shares)")
+    p.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this host's index; host 0 runs the frontend, scheduler and detokenizer, the others only "
+                        "their executors")
+    p.add_argument("--dist-init-addr", default=None,
+                   help="tcp://host:port where the ranks meet (default on one host: a free local port)")
+    p.add_argument("--hc-prefill-mode", default=d.hc_prefill_mode, choices=["off", "control", "shard"],
+                   help="hyper-connection work under --tp: off (replicated), control (replicated, reductions at "
+                        "the decoder-layer boundary, eager), shard (each rank owns rows/TP token rows during an "
+                        "eligible prefill)")
     p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "random"])
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-model-len", type=int, default=None)

@@ -63,8 +63,15 @@ def wire(args: ServerArgs, run_dir: str) -> ServerArgs:
     def ipc(name: str) -> str:
         return f"ipc://{os.path.join(run_dir, name)}"
 
+    dist = args.dist_init_addr
+    if dist is None and args.tp > 1:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            dist = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     return args.replace(
-        run_dir=run_dir,
+        run_dir=run_dir, dist_init_addr=dist,
         scheduler_addr=args.scheduler_addr or ipc("scheduler"),
         executor_addr=args.executor_addr or ipc("executor-{rank}"),
         detokenizer_addr=args.detokenizer_addr or ipc("detokenizer"),
@@ -81,8 +88,16 @@ class Mesh:
         self._stop = False
 
     def roles(self) -> list[Role]:
-        return ([("detokenizer", None), ("scheduler", None)] + [("executor", r) for r in range(self.args.tp)]
-                + [("frontend", None)])
+        """This host's processes: its executors, and on host 0 the frontend, scheduler and detokenizer."""
+        executors: list[Role] = [("executor", r) for r in self.args.local_ranks()]
+        if self.args.node_rank > 0:
+            return executors
+        return [("detokenizer", None), ("scheduler", None)] + executors + [("frontend", None)]
+
+    def awaited(self) -> set[str]:
+        """The processes host 0 waits for (every rank's executor, wherever it runs)."""
+        names = {f"executor-{r}" for r in range(self.args.tp)}
+        return names | {"detokenizer", "scheduler", "frontend"}
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -109,14 +124,22 @@ class Mesh:
                 p.wait()
 
 
+def supervise_executors(mesh: "Mesh", stopping: dict) -> int:
+    logger.info("host %d: executors %s started", mesh.args.node_rank, mesh.args.local_ranks())
+    while stopping["signal"] is None:
+        dead = mesh.dead()
+        if dead:
+            logger.error("%s exited (code %s); shutting down", *dead[0])
+            return 1
+        time.sleep(0.2)
+    return 0
+
+
 def serve(args: ServerArgs) -> int:
     from .ipc import set_process_name, setup_logging
 
     setup_logging(args.log_level, "serve")
     set_process_name("tidal-serve")
-    if args.tp != 1:
-        logger.error("--tp %d: tensor parallelism is not available in this build; use --tp 1", args.tp)
-        return 2
     model_path = args.model
     if model_path is None:
         model_path = demo_checkpoint()
@@ -149,7 +172,9 @@ def serve(args: ServerArgs) -> int:
     code = 0
     try:
         mesh.start()
-        waiting = {r if k is None else f"{r}-{k}" for r, k in mesh.roles()}
+        if args.node_rank > 0:  # executors only: host 0 coordinates; supervise them until a signal
+            return supervise_executors(mesh, stopping)
+        waiting = mesh.awaited()
         deadline = time.monotonic() + READY_TIMEOUT
         while waiting and stopping["signal"] is None:
             if mesh.dead():

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import traceback
 
+import msgspec
+import torch
+import torch.distributed as dist
 import zmq
 
 from ..args import ServerArgs
@@ -12,9 +16,21 @@ from ..config import ModelConfig
 from ..ipc import Pull, Push
 from ..messages import Batch, BatchResult, ExecutorInbound, Ready
 from ..sizing import pool_sizes
+from .distributed import init_tp
 from .runner import build_runner
 
 logger = logging.getLogger(__name__)
+
+
+def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
+    """Every rank must run with the same settings and model: compare digests, refuse to start if not."""
+    mine = args.replace(node_rank=0).to_json() + msgspec.json.encode(config.raw)
+    digest = hashlib.sha256(mine).hexdigest()
+    digests = [None] * args.tp
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise SystemExit(f"rank {rank}: the ranks' settings or configs differ (digests {digests}); "
+                         f"start every host with the same flags and checkpoint")
 
 
 def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
@@ -24,7 +40,15 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     control: Push = Push(ctx, args.control_addr)
     config = ModelConfig.from_file(model_path)
     sizes = pool_sizes(args, config)
-    runner = build_runner(args, config, sizes, model_path)
+    device = args.resolved_device()
+    if args.tp > 1:
+        local = rank - args.local_ranks()[0]
+        if device == "cuda":
+            device = f"cuda:{local}"
+            torch.cuda.set_device(device)
+        init_tp(rank, args.tp, args.dist_init_addr, "nccl" if device.startswith("cuda") else "gloo")
+        check_agreement(args, config, rank)
+    runner = build_runner(args, config, sizes, model_path, device=device)
     control.send(Ready(role=f"executor-{rank}", info={
         "device": str(runner.device), "dtype": str(next(runner.model.parameters()).dtype).replace("torch.", ""),
         "kv_bytes_per_token": runner.kv.bytes_per_token(), "state_bytes_per_slot": runner.states.bytes_per_slot()}))
@@ -37,7 +61,8 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
                                  expert_stats=runner.expert_store.stats() if runner.expert_store else {})
         except Exception as e:  # a failed batch fails its requests, not the process
             logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())
+            where = f"rank {rank}: " if args.tp > 1 else ""
             result = BatchResult(batch_id=msg.batch_id, token_ids=[-1] * len(msg.segments),
-                                 error=f"{type(e).__name__}: {e}")
-        if rank == 0:
+                                 error=f"{where}{type(e).__name__}: {e}")
+        if rank == 0 or result.error is not None:  # any rank's error fails the batch, with its message
             results.send(result)

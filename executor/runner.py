@@ -158,13 +158,13 @@ class ModelRunner:
         ends = [(seg.slot, dst) for seg in fb.segments for off, dst in seg.exports if off == seg.length]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
-def build_runner(args, config: ModelConfig, sizes, model_path: str) -> ModelRunner:
+def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str | None = None) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device; with offload, the
     expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``."""
     from .loader import load_model, resolve_dtype
     from .offload.ple_table import DiskTable, PinnedTable, find_ple_shards
 
-    device = args.resolved_device()
+    device = device or args.resolved_device()
     dtype = resolve_dtype(args.dtype, config, device)
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend)

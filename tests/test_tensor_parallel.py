@@ -100,3 +100,25 @@ def test_shards_that_do_not_divide_are_refused(tiny_checkpoint):
 
 if os.environ.get("TIDAL_TEST_DEVICE", "cpu").startswith("cuda"):
     pytestmark = pytest.mark.skip(reason="gloo tensor-parallel tests run on the CPU")
+
+
+def test_serve_tp2_end_to_end(tiny_checkpoint):
+    """``tidal serve --tp 2 --device cpu``: two executor processes, the OpenAI API, ids equal to one rank."""
+    from server_harness import Server, Tap, child_pids, cmdline
+
+    prompt = _prompt()
+    expected = LLM(tiny_checkpoint).generate([prompt], max_tokens=12, ignore_eos=True)[0]
+    srv = Server(tiny_checkpoint, "--tp", "2", api_key=None)
+    tap = Tap(srv.tap_addr)
+    try:
+        names = [cmdline(pid) for pid in child_pids(srv.proc.pid)]
+        assert sum("executor" in n for n in names) == 2, names
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 12,
+                                                    "temperature": 0, "ignore_eos": True})
+        assert status == 200, body
+        _, token_ids, final = tap.wait_finished(body["id"].removeprefix("cmpl-"))
+        assert token_ids == expected and final["finish_reason"] == "length"
+        assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
+    finally:
+        tap.close()
+        assert srv.stop() == []
