@@ -103,7 +103,7 @@ class SchedulerStats(Struct, tag="SchedulerStats"):
     state_slots_cached: int
     state_slots_total: int
     counters: dict[str, int] = {}
-    expert_stats: dict[str, list[int]] = {}
+    executor_stats: dict[str, list[int]] = {}
 
 
 # ---- detokenizer -> frontend ------------------------------------------------------------------
@@ -147,6 +147,8 @@ class Batch(Struct, tag="Batch", omit_defaults=True):
     # "chunked", or "layer_major": one segment run layer by layer over internal chunks of chunk_size.
     mode: str = "chunked"
     chunk_size: int = 0
+    # Hyper-connection row sharding across the TP ranks for this (pure, large) prefill batch.
+    hc_shard: bool = False
 
 
 class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
@@ -154,8 +156,9 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
     # One sampled id per segment, -1 where the segment did not sample.
     token_ids: list[int]
     error: str | None = None
-    # Cumulative executor counters, one value per MoE layer (expert loads, bytes, whole-layer streams).
-    expert_stats: dict[str, list[int]] = {}
+    # Cumulative executor counters: ``expert_*`` one value per MoE layer (loads, bytes, whole-layer
+    # streams); ``tp_*`` one value (collectives issued, hyper-connection sharded forwards).
+    executor_stats: dict[str, list[int]] = {}
 
 
 # ---- lifecycle --------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         try:
             out = runner.execute(msg)
             result = BatchResult(batch_id=msg.batch_id, token_ids=out.token_ids,
-                                 expert_stats=runner.expert_store.stats() if runner.expert_store else {})
+                                 executor_stats=runner.stats())
         except Exception as e:  # a failed batch fails its requests, not the process
             logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())
             where = f"rank {rank}: " if args.tp > 1 else ""

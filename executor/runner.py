@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from ..messages import Batch, SamplingParams
+from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
+from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
 from .sampler import Sampler
 
 GREEDY = SamplingParams()
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +38,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
         self.expert_store = expert_store
+        self.hc_shard_forwards = 0
+
+    def stats(self) -> dict[str, list[int]]:
+        """Cumulative counters for /metrics: expert streaming per MoE layer, TP collectives."""
+        out = self.expert_store.stats() if self.expert_store is not None else {}
+        group = tp()
+        if group.size > 1:
+            for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+                out[f"tp_{kind}s"] = [group.counters[kind]]
+            out["tp_hc_shard_forwards"] = [self.hc_shard_forwards]
+        return out
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
@@ -51,7 +66,15 @@ class ModelRunner:
             streams, pending = self._layer_major(fb, batch.chunk_size)
             shift = fb.num_tokens - streams.shape[0]
         else:
-            streams, pending = self.model(fb)
+            group = tp()
+            before = dict(group.counters)
+            streams, pending = self.model(fb, hc_shard=batch.hc_shard)
+            if batch.hc_shard and group.size > 1:
+                self.hc_shard_forwards += 1
+                issued = {k: v - before.get(k, 0) for k, v in group.counters.items()}
+                logger.info("hc shard forward: %d rows, %d per rank, %d all-gathers, %d reduce-scatters",
+                            fb.num_tokens, fb.num_tokens // group.size, issued.get("all_gather", 0),
+                            issued.get("reduce_scatter", 0))
         self._finish_states(fb)
 
         # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
@@ -182,6 +205,10 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
                 if sum(p.rows for p in parts) != rows:
                     raise ValueError(f"the shards of {table} hold {sum(p.rows for p in parts)} rows, expected {rows}")
                 module.table = DiskTable(parts, dim, dtype)
+    if args.hc_prefill_mode == "shard" and tp().size > 1:  # row sharding mixes with whole down weights
+        for module in model.modules():
+            if isinstance(module, GatedResidual):
+                module.full_down_weight()
     store = None
     if args.moe_strategy == "offload":
         experts = {layer.layer_idx: layer.mlp.experts for layer in model.model.layers}

@@ -76,7 +76,14 @@ class Metrics:
         helps = {"expert_loads": "Experts copied host-to-device (--moe-strategy offload), by MoE layer.",
                  "expert_bytes": "Bytes of experts copied host-to-device, by MoE layer.",
                  "expert_layer_streams": "Whole layers of experts streamed to the device, by MoE layer."}
-        for name, values in sorted(s.expert_stats.items()):
+        helps.update(tp_all_reduces="All-reduces issued by executor rank 0.",
+                     tp_all_gathers="All-gathers issued by executor rank 0.",
+                     tp_reduce_scatters="Reduce-scatters issued by executor rank 0.",
+                     tp_hc_shard_forwards="Forwards run with hyper-connection row sharding.")
+        for name, values in sorted(s.executor_stats.items()):
             lines += [f"# HELP tidal_{name}_total {helps.get(name, name)}", f"# TYPE tidal_{name}_total counter"]
-            lines += [f'tidal_{name}_total{{layer="{i}"}} {v}' for i, v in enumerate(values)]
+            if name.startswith("expert_"):
+                lines += [f'tidal_{name}_total{{layer="{i}"}} {v}' for i, v in enumerate(values)]
+            else:
+                lines.append(f"tidal_{name}_total {values[0]}")
         return "\n".join(lines) + "\n"

@@ -58,8 +58,8 @@ class SchedulerLoop:
             if batch is None or batch.batch_id != msg.batch_id:
                 logger.error("result for batch %s does not match the batch in flight", msg.batch_id)
                 return
-            if msg.expert_stats:
-                self.scheduler.expert_stats = msg.expert_stats
+            if msg.executor_stats:
+                self.scheduler.executor_stats = msg.executor_stats
             if msg.error is not None:
                 logger.error("executor failed batch %d: %s", msg.batch_id, msg.error)
                 self.scheduler.fail_batch(batch, msg.error)

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..messages import Batch, Detokenize, GenerateReq, Plan, PromptAdmitted, SchedulerStats, SegmentSpec, Usage
 from ..sizing import PoolSizes
 from .checkpoint_plan import CheckpointPlan, plan_prompt
+from .hc_shard import hc_shard_decision
 from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool
 from .prefix_cache import PrefixCache
@@ -48,7 +49,7 @@ class Scheduler:
                 args.checkpoint_align, needs_state=bool(config.linear_layers or config.ple_layers),
                 counters=self.counters)
         # The executor's cumulative per-MoE-layer counters (offload), passed through to /metrics.
-        self.expert_stats: dict[str, list[int]] = {}
+        self.executor_stats: dict[str, list[int]] = {}
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
@@ -144,8 +145,10 @@ class Scheduler:
         for seg in segments:
             self.requests[seg.rid].in_flight = True
         self.batch_id += 1
+        rows = sum(len(seg.token_ids) for seg in segments)
+        shard, _ = hc_shard_decision(self.args, rows, any(self.requests[s.rid].prefill_done for s in segments))
         return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
-                     chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0)
+                     chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0, hc_shard=shard)
 
     def _decode_segment(self, req: Request) -> SegmentSpec:
         start = req.num_computed
@@ -368,5 +371,5 @@ class Scheduler:
             kv_pages_total=self.pages.total,
             state_slots_in_use=self.slots.total - self.slots.num_free + ckpt_used - cached_slots,
             state_slots_cached=cached_slots, state_slots_total=self.sizes.num_slots, counters=dict(self.counters),
-            expert_stats=self.expert_stats,
+            executor_stats=self.executor_stats,
         )

@@ -18,12 +18,14 @@ from tidal import LLM
 
 TP_CONFIG = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
 PROMPT_LEN = 160
+SHARD_LEN = 1024  # the smallest batch hyper-connection sharding takes
 
 
-def _prompt() -> list[int]:
+def _prompt(n: int = PROMPT_LEN) -> list[int]:
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 248000, (PROMPT_LEN,), generator=gen)
-    ids[70] = 248046  # EOS inside
+    ids = torch.randint(0, 248000, (n,), generator=gen)
+    if n > 70:
+        ids[70] = 248046  # EOS inside
     return ids.tolist()
 
 
@@ -33,27 +35,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, kwargs: dict, queue) -> None:
+def _prefix_run(llm: LLM) -> tuple[list[int], list[int], list[int]]:
+    """A cold prompt, then a continuation that hits its checkpoint: ids of both and cached tokens."""
+    from tidal.messages import PromptAdmitted
+
+    admitted = []
+    emit = llm.scheduler.emit
+    llm.scheduler.emit = lambda e: (admitted.append(e.cached_tokens) if isinstance(e, PromptAdmitted) else None,
+                                    emit(e))
+    cold = llm.generate([_prompt(300)], max_tokens=16, ignore_eos=True)[0]
+    warm = llm.generate([_prompt(300) + _prompt(70)], max_tokens=16, ignore_eos=True)[0]
+    return cold, warm, admitted
+
+
+def _rank_main(rank: int, size: int, port: int, path: str, kwargs: dict, queue, length: int) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
     init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
     try:
-        llm = LLM(path, **kwargs)
-        logits = llm.score(_prompt())
-        ids = llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
+        if length == 0:  # the prefix-cache scenario
+            result = _prefix_run(LLM(path, tp=size, **kwargs))
+            if rank == 0:
+                queue.put(result)
+            return
+        llm = LLM(path, tp=size, **kwargs)
+        before = llm.runner.stats()
+        logits = llm.score(_prompt(length))
+        scored = {k: [a - b for a, b in zip(v, before[k])] for k, v in llm.runner.stats().items()}
+        ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
         if rank == 0:
-            queue.put((logits.numpy(), ids))  # by value: the process exits before the parent reads
+            # by value: the process exits before the parent reads
+            queue.put((logits.numpy(), ids, scored))
     except Exception as e:  # report instead of hanging the parent
         queue.put(e)
         raise
 
 
-def run_tp(path: str, size: int, **kwargs):
+def run_tp(path: str, size: int, length: int = PROMPT_LEN, **kwargs):
+    """``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, path, kwargs, queue)) for r in range(size)]
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, path, kwargs, queue, length))
+             for r in range(size)]
     for p in procs:
         p.start()
     result = queue.get(timeout=300)
@@ -62,7 +87,9 @@ def run_tp(path: str, size: int, **kwargs):
     if isinstance(result, Exception):
         raise result
     assert all(p.exitcode == 0 for p in procs)
-    return torch.from_numpy(result[0]), result[1]
+    if length == 0:
+        return result
+    return torch.from_numpy(result[0]), result[1], result[2]
 
 
 @pytest.fixture(scope="module")
@@ -74,22 +101,64 @@ def tp_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def single(tp_checkpoint):
-    llm = LLM(tp_checkpoint)
-    return llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
+    llm = LLM(tp_checkpoint, max_prefill_length=SHARD_LEN)
+    prompt = _prompt(SHARD_LEN)
+    return llm.score(prompt), llm.generate([prompt], max_tokens=32, ignore_eos=True)[0]
 
 
+@pytest.mark.parametrize("mode", ["off", "control", "shard"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size):
-    logits, ids = run_tp(tp_checkpoint, size, max_prefill_length=64)
+def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size, mode):
+    """A 1024-row prefill (sharded in ``shard`` mode), then 32 decodes (always replicated)."""
+    logits, ids, stats = run_tp(tp_checkpoint, size, SHARD_LEN, max_prefill_length=SHARD_LEN, hc_prefill_mode=mode)
     ref_logits, ref_ids = single
     assert (logits - ref_logits).abs().max().item() <= 1e-4
     assert ids == ref_ids
+    config = LLM(tp_checkpoint).config
+    if mode == "shard":  # the one scoring forward ran sharded, with these collectives
+        layers, ple = config.num_hidden_layers, len(config.ple_layers)
+        assert stats["tp_hc_shard_forwards"] == [1]
+        assert stats["tp_reduce_scatters"] == [2 * layers]
+        # block inputs (2 a layer), PLE streams and table rows, and the final streams and residual
+        assert stats["tp_all_gathers"] == [2 * layers + 2 * ple + 3]
+    else:
+        assert stats["tp_hc_shard_forwards"] == [0] and stats["tp_reduce_scatters"] == [0]
+
+
+def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint):
+    """160 rows (under 1024) never shard; ids still equal one rank's."""
+    llm = LLM(tp_checkpoint, max_prefill_length=64)
+    ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
+    logits, ids, stats = run_tp(tp_checkpoint, 2, max_prefill_length=64, hc_prefill_mode="shard")
+    assert (logits - ref[0]).abs().max().item() <= 1e-4 and ids == ref[1]
+    assert stats["tp_hc_shard_forwards"] == [0]
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["align", "coalesce"])
+def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint, coalesce):
+    ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce))
+    got = run_tp(tp_checkpoint, 2, 0, max_prefill_length=128, prefill_coalesce=coalesce)
+    assert tuple(got) == tuple(ref)
+    assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
 
 
 def test_random_weights_are_the_same_at_any_tp(tp_checkpoint):
     ref = LLM(tp_checkpoint, load_format="random", seed=9).score(_prompt())
-    logits, _ = run_tp(tp_checkpoint, 2, load_format="random", seed=9)
+    logits, _, _ = run_tp(tp_checkpoint, 2, load_format="random", seed=9)
     assert (logits - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("rows,size,decode,shard", [
+    (1023, 2, False, False), (1024, 2, False, True), (1026, 4, False, False), (1024, 4, False, True),
+    (4096, 2, True, False),
+])
+def test_hc_shard_eligibility(rows, size, decode, shard):
+    from tidal.args import ServerArgs
+    from tidal.scheduler.hc_shard import hc_shard_decision
+
+    ok, why = hc_shard_decision(ServerArgs(tp=size, hc_prefill_mode="shard"), rows, decode)
+    assert ok is shard, why
+    assert hc_shard_decision(ServerArgs(tp=size, hc_prefill_mode="control"), rows, decode)[0] is False
 
 
 def test_shards_that_do_not_divide_are_refused(tiny_checkpoint):

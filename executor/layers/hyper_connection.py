@@ -52,6 +52,7 @@ class GatedResidual(nn.Module):
         # Under tensor parallelism each rank holds the columns of its input slice (a partial mix).
         self._cols = split(width, "hc_count * hidden_size")
         self.input_mix_weight_down = Linear(self._cols[1], lowrank)
+        self._full_down: torch.Tensor | None = None
         self.input_mix_weight_up = Linear(lowrank, width)
         self.block_inject_weight = Linear(width, hc_count) if use_combine else None
         # [down; inject] weight for one GEMM over `normed` on the GPU, and what it was built from.
@@ -68,7 +69,7 @@ class GatedResidual(nn.Module):
         """This hyper-connection's grouped RMS norm of ``streams`` (groups of ``hidden``)."""
         return self.hc_norm(streams)
 
-    def mix(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def mix(self, normed: torch.Tensor, owned_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(block_input [T, hidden], inject_logits [T, hc] or None)`` from already-normalised streams.
 
         On the GPU the down and inject projections are one GEMM (``normed`` is the biggest operand,
@@ -76,7 +77,12 @@ class GatedResidual(nn.Module):
         """
         hc = self.hc_count
         group = tp()
-        if group.size > 1:
+        if group.size > 1 and owned_rows:
+            # Row sharding: the ranks hold different rows, so each mixes its own with the whole
+            # down-mix weight (gathered from the ranks' input slices at start-up).
+            down = F.linear(normed, self.full_down_weight())
+            logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
+        elif group.size > 1:
             start, count = self._cols
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
@@ -88,6 +94,12 @@ class GatedResidual(nn.Module):
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
         up = self.input_mix_weight_up(F.silu(down / hc))
         return hc_block_input(normed, up, hc), logits
+
+    def full_down_weight(self) -> torch.Tensor:
+        """The whole ``input_mix_weight_down`` from the TP ranks' input slices (gathered once)."""
+        if self._full_down is None:
+            self._full_down = tp().all_gather(self.input_mix_weight_down.weight, dim=1)
+        return self._full_down
 
     def add_and_norm(self, streams: torch.Tensor, block_out: torch.Tensor,
                      inject_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

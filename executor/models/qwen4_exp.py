@@ -36,7 +36,7 @@ class DecoderLayer(nn.Module):
         self.mlp_hyper_connection = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps)
         self.mlp = SparseMoE(c, layer_idx)
 
-    def forward(self, streams: torch.Tensor, pending, batch: ForwardBatch):
+    def forward(self, streams: torch.Tensor, pending, batch: ForwardBatch, own: slice | None = None):
         """One layer over the streams ``H``.
 
         The residual add of a block and the norm of the next hyper-connection are one pass over
@@ -44,25 +44,38 @@ class DecoderLayer(nn.Module):
         still ``pending`` (``(block_out, inject_logits)``, or ``None`` before the first layer) and
         hands its own MoE output on the same way. PLE reads the streams themselves, so a PLE layer
         applies the pending residual first and normalises after adding its embedding.
+
+        Under tensor parallelism the mixer and the MoE return partial sums over this rank's heads
+        and intermediate slice, reduced here at the layer. With ``own`` (hyper-connection row
+        sharding) ``streams`` and ``pending`` hold only this rank's rows ``own`` of the batch: the
+        hyper-connection work runs on them, block inputs are all-gathered, block outputs
+        reduce-scattered back, and PLE (its conv crosses rows) sees the gathered streams.
         """
         hc_attn, hc_mlp = self.attn_hyper_connection, self.mlp_hyper_connection
+        group = tp()
         if self.ple is not None or pending is None:
             if pending is not None:
                 inject = 2 * torch.sigmoid(pending[1] / hc_attn.hc_count)
                 streams = GatedResidual.residual(streams, pending[0], inject)
             if self.ple is not None:
-                streams = streams + self.ple(streams, batch)
+                full = streams if own is None else group.all_gather(streams)
+                ple = self.ple(full, batch)
+                streams = streams + (ple if own is None else ple[own])
             normed = hc_attn.norm(streams)
         else:
             streams, normed = hc_attn.add_and_norm(streams, *pending)
-        block_in, inject = hc_attn.mix(normed)
+        block_in, inject = hc_attn.mix(normed, owned_rows=own is not None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        # Under tensor parallelism the mixer and the MoE return partial sums over this rank's heads
-        # and intermediate slice; they are reduced here, at the decoder layer.
+        streams, normed = hc_mlp.add_and_norm(streams, self._block(mixer, block_in, batch, own), inject)
+        block_in, inject = hc_mlp.mix(normed, owned_rows=own is not None)
+        return streams, (self._block(lambda x, _: self.mlp(x), block_in, batch, own), inject)
+
+    @staticmethod
+    def _block(block, block_in: torch.Tensor, batch: ForwardBatch, own: slice | None) -> torch.Tensor:
         group = tp()
-        streams, normed = hc_mlp.add_and_norm(streams, group.all_reduce(mixer(block_in, batch)), inject)
-        block_in, inject = hc_mlp.mix(normed)
-        return streams, (group.all_reduce(self.mlp(block_in)), inject)
+        if own is None:
+            return group.all_reduce(block(block_in, batch))
+        return group.reduce_scatter(block(group.all_gather(block_in), batch))
 
 
 class Qwen4ExpModel(nn.Module):
@@ -81,14 +94,29 @@ class Qwen4ExpModel(nn.Module):
         """The embeddings repeated into the ``hc_count`` streams ``[T, hc * hidden]``."""
         return self.embed_tokens(input_ids).repeat(1, self.config.hc_count)
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def forward(self, batch: ForwardBatch,
+                hc_shard: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """The ``hc_count`` residual streams ``[T, hc * hidden]`` before the last layer's MoE residual,
         and that residual still pending (``(moe_out, inject_logits)``): only the rows that need
-        logits pay for it (:meth:`Qwen4ExpForCausalLM.logits`)."""
+        logits pay for it (:meth:`Qwen4ExpForCausalLM.logits`).
+
+        ``hc_shard``: this rank owns rows ``[rank * T / TP, (rank + 1) * T / TP)`` for the
+        hyper-connection work (the scheduler only asks when ``T`` divides); the final rows are
+        gathered back in token order.
+        """
         streams = self.embed(batch.input_ids)
         pending = None
+        own = None
+        group = tp()
+        if hc_shard and group.size > 1:
+            per = streams.shape[0] // group.size
+            own = slice(group.rank * per, (group.rank + 1) * per)
+            streams = streams[own]
         for layer in self.layers:
-            streams, pending = layer(streams, pending, batch)
+            streams, pending = layer(streams, pending, batch, own)
+        if own is not None:
+            streams = group.all_gather(streams)
+            pending = (group.all_gather(pending[0]), group.all_gather(pending[1]))
         return streams, pending
 
 
@@ -99,8 +127,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.model = Qwen4ExpModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        return self.model(batch)
+    def forward(self, batch: ForwardBatch,
+                hc_shard: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return self.model(batch, hc_shard)
 
     def logits(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor],
                rows: torch.Tensor) -> torch.Tensor:

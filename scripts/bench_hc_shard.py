@@ -1,0 +1,162 @@
+"""Hyper-connection row sharding under tensor parallelism, side by side (several GPUs; device-only).
+
+    python scripts/bench_hc_shard.py --out DIR --tp 4 [--preset bench] [--lengths 8192,65536,131072]
+        [--modes off,control,shard] [--coalesce both|on|off] [--repeats 2] [--decode-context 0,8192]
+
+For each arm (``--hc-prefill-mode`` x ``--prefill-coalesce``) a fresh ``tidal serve --tp N
+--load-format random``; per prompt length, ``--repeats`` cold prompts (distinct random ids, so
+nothing is cached) timed to their first token (``max_tokens`` 1, streamed): prefill tok/s =
+prompt tokens / that time. Decode: concurrency 1 and 8, 256 tokens each after a short or
+``--decode-context`` prompt, tok/s over all streams. Teacher-forced agreement (``--agreement``):
+the offline model scores one 8K prompt on every rank (NCCL) with the arm's flags and with
+``off``; top-1 agreement where the ``off`` top-2 margin is >= 0.2 nats, mean |NLL difference|.
+Writes ``DIR/bench_hc_shard.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from server_harness import Server, stream_completion  # noqa: E402
+
+from tidal.executor.presets import write_checkpoint  # noqa: E402
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 240000) for _ in range(n)]
+
+
+def arm_flags(mode: str, coalesce: bool, tp: int, longest: int) -> list[str]:
+    flags = ["--tp", str(tp), "--hc-prefill-mode", mode, "--load-format", "random", "--served-model-name", "bench",
+             "--max-model-len", str(longest + 1024), "--kv-pool-tokens", str(2 * longest + 16384),
+             "--max-prefill-length", "8192", "--max-running-requests", "8"]
+    return flags + (["--prefill-coalesce"] if coalesce else [])
+
+
+def run_arm(path: str, mode: str, coalesce: bool, ns) -> dict:
+    lengths = [int(x) for x in ns.lengths.split(",")]
+    srv = Server(path, *arm_flags(mode, coalesce, ns.tp, max(lengths)), api_key=None, device="cuda",
+                 ready_timeout=1200)
+    out = {"mode": mode, "coalesce": coalesce, "prefill": {}, "decode": {}}
+    try:
+        stream_completion(srv.url, prompt(1024, 1), 4, model="bench")  # warm-up
+        for n in lengths:
+            stream_completion(srv.url, prompt(n, 2), 1, model="bench")  # first long shape: compile, autotune
+            rates = []
+            for r in range(ns.repeats):
+                first, _, usage, _ = stream_completion(srv.url, prompt(n, 100 + r), 1, model="bench")
+                assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+                rates.append(n / first)
+            out["prefill"][n] = {"tok_per_s": statistics.mean(rates), "samples": rates}
+            print(f"{mode:8s} coalesce={coalesce!s:5s} prefill {n}: {statistics.mean(rates):.0f} tok/s", flush=True)
+        for context in [int(x) for x in ns.decode_context.split(",")]:
+            for conc in (1, 8):
+                prompts = [prompt(max(context, 16), 500 + i) for i in range(conc)]
+                t0 = time.monotonic()
+                with ThreadPoolExecutor(conc) as pool:
+                    results = list(pool.map(lambda p: stream_completion(srv.url, p, 256, model="bench"), prompts))
+                # decode rate: generated tokens over the span after the slowest first token
+                span = time.monotonic() - t0 - max(r[0] for r in results)
+                rate = conc * 255 / span
+                out["decode"][f"c{conc}_ctx{context}"] = rate
+                print(f"{mode:8s} coalesce={coalesce!s:5s} decode c{conc} ctx {context}: {rate:.1f} tok/s", flush=True)
+    finally:
+        out["left_after_stop"] = srv.stop()
+    return out
+
+
+def _score_rank(rank: int, size: int, port: int, path: str, flags: dict, tokens: list[int], queue) -> None:
+    import torch
+
+    from tidal import LLM
+    from tidal.executor.distributed import init_tp
+
+    torch.cuda.set_device(rank)
+    init_tp(rank, size, f"tcp://127.0.0.1:{port}", "nccl")
+    llm = LLM(path, device=f"cuda:{rank}", dtype="bfloat16", load_format="random", tp=size,
+              max_prefill_length=len(tokens), **flags)
+    logits = llm.score(tokens)
+    if rank == 0:
+        queue.put(logits.log_softmax(-1).numpy())
+
+
+def score(path: str, tp: int, flags: dict, tokens: list[int]):
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_score_rank, args=(r, tp, port, path, flags, tokens, queue)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    out = torch.from_numpy(queue.get(timeout=1200))
+    for p in procs:
+        p.join()
+    return out
+
+
+def agreement(path: str, tp: int, mode: str, coalesce: bool) -> dict:
+    import torch
+
+    tokens = prompt(8192, 7)
+    ref = score(path, tp, {"hc_prefill_mode": "off"}, tokens)
+    got = score(path, tp, {"hc_prefill_mode": mode, "prefill_coalesce": coalesce}, tokens)
+    target = torch.tensor(tokens[1:])
+    nll_ref = -ref[:-1].gather(1, target[:, None])[:, 0]
+    nll_got = -got[:-1].gather(1, target[:, None])[:, 0]
+    top2 = ref.topk(2, dim=-1).values
+    strong = (top2[:, 0] - top2[:, 1]) >= 0.2
+    agree = (ref.argmax(-1) == got.argmax(-1))[strong].float().mean().item()
+    return {"top1_agreement": agree, "strong_positions": int(strong.sum()),
+            "mean_abs_nll_diff": (nll_got - nll_ref).abs().mean().item()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, required=True)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--lengths", default="8192,65536,131072")
+    ap.add_argument("--modes", default="off,control,shard")
+    ap.add_argument("--coalesce", default="both", choices=["both", "on", "off"])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--decode-context", default="0,8192")
+    ap.add_argument("--agreement", action="store_true")
+    ns = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.makedirs(ns.out, exist_ok=True)
+    path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    coalesce = {"both": [False, True], "on": [True], "off": [False]}[ns.coalesce]
+    arms = [run_arm(path, m, c, ns) for m in ns.modes.split(",") for c in coalesce]
+    result = {"tp": ns.tp, "preset": ns.preset, "arms": arms}
+    if ns.agreement:
+        result["agreement_shard_coalesce_vs_off"] = agreement(path, ns.tp, "shard", True)
+    with open(os.path.join(ns.out, "bench_hc_shard.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    base = next((a for a in arms if a["mode"] == "off" and not a["coalesce"]), None)
+    print("\narm                    " + "  ".join(f"{n:>10}" for n in arms[0]["prefill"]) + "   vs off")
+    for a in arms:
+        rates = [a["prefill"][n]["tok_per_s"] for n in a["prefill"]]
+        gain = "" if base is None else "  ".join(
+            f"{(r / base['prefill'][n]['tok_per_s'] - 1) * 100:+.1f}%" for r, n in zip(rates, a["prefill"]))
+        print(f"{a['mode']:8s} coalesce={a['coalesce']!s:5s}  " + "  ".join(f"{r:10.0f}" for r in rates) + "   " + gain)
+    if "agreement_shard_coalesce_vs_off" in result:
+        print("agreement:", result["agreement_shard_coalesce_vs_off"])
+
+
+if __name__ == "__main__":
+    main()
