@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import traceback
@@ -24,7 +25,11 @@ logger = logging.getLogger(__name__)
 
 def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
     """Every rank must run with the same settings and model: compare digests, refuse to start if not."""
-    mine = args.replace(node_rank=0).to_json() + msgspec.json.encode(config.raw)
+    # Host-local wiring (run directory, socket paths, this host's index) may differ between hosts.
+    local = {"run_dir", "node_rank", "log_level", "scheduler_addr", "executor_addr", "detokenizer_addr",
+             "frontend_addr", "control_addr", "tap_addr"}
+    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in local}
+    mine = msgspec.json.encode(settings) + msgspec.json.encode(config.raw)
     digest = hashlib.sha256(mine).hexdigest()
     digests = [None] * args.tp
     dist.all_gather_object(digests, digest)

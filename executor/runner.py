@@ -63,7 +63,7 @@ class ModelRunner:
         if batch.mode == "layer_major":
             if any(spec.want_logits for spec in specs):
                 raise ValueError("a layer-major batch samples; it cannot return every row's logits")
-            streams, pending = self._layer_major(fb, batch.chunk_size)
+            streams, pending = self._layer_major(fb, specs[0].token_ids, batch.chunk_size)
             shift = fb.num_tokens - streams.shape[0]
         else:
             group = tp()
@@ -104,7 +104,7 @@ class ModelRunner:
                 out.token_ids[i] = tok
         return out
 
-    def _layer_major(self, outer: ForwardBatch, chunk: int):
+    def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):
         """One long segment, each decoder layer over all its internal chunks before the next layer.
 
         Internal chunks keep their absolute positions and the outer checkpoint plan projected onto
@@ -120,7 +120,6 @@ class ModelRunner:
         history = torch.cat([outer.ngram_context[0], outer.input_ids])  # context ids, then the tokens
         eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
         ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
-        ids = outer.input_ids.tolist()
         chunks, boundary_exports = [], []
         for lo in range(0, seg.length, chunk):
             hi = min(lo + chunk, seg.length)
