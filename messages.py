@@ -122,7 +122,10 @@ class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
 class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     """One request's rows in a forward.
 
-    ``pages`` covers positions ``[0, start + len(token_ids))``. ``exports`` are ``[offset, slot]``
+    The request's page table covers positions ``[0, start + len(token_ids))``: the executor keeps
+    each slot's table, and ``pages`` are its entries from index ``page_base`` on (a decode step
+    sends only a new page, if any; the first segment of a request sends all, from 0).
+    ``exports`` are ``[offset, slot]``
     pairs: after the first ``offset`` tokens of this segment, copy the request's full state into
     ``slot``. ``sample_index`` numbers the output token being sampled (seeded sampling uses it).
     """
@@ -132,6 +135,7 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     start: int
     token_ids: list[int]
     pages: list[int] = []
+    page_base: int = 0
     sample: bool = False
     sampling: SamplingParams | None = None
     sample_index: int = 0

@@ -39,6 +39,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.expert_store = expert_store
         self.hc_shard_forwards = 0
+        self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counters for /metrics: expert streaming per MoE layer, TP collectives."""
@@ -148,7 +149,9 @@ class ModelRunner:
             if n == 0:
                 raise ValueError(f"segment of request {spec.rid} has no tokens")
             ids.extend(spec.token_ids)
-            segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=list(spec.pages),
+            pages = self.page_tables.get(spec.slot, [])[:spec.page_base] + list(spec.pages)
+            self.page_tables[spec.slot] = pages
+            segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=pages,
                                     exports=[(int(o), int(d)) for o, d in spec.exports]))
             row += n
         eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0

@@ -78,9 +78,13 @@ class PrefixCache:
         return self.pages.num_free + len(self.evictable)
 
     # ---- lookup -------------------------------------------------------------------------------
-    def match(self, tokens: list[int]) -> Match:
-        """The longest cached prefix ending at a live checkpoint, leaving >= 1 token to compute."""
-        keys = chain_hashes(tokens[: len(tokens) - 1], self.page_size)
+    def match(self, tokens: list[int], keys: list[bytes] | None = None) -> Match:
+        """The longest cached prefix ending at a live checkpoint, leaving >= 1 token to compute.
+
+        ``keys``: the chain hashes of ``tokens[:-1]``'s full pages, when the caller keeps them (a
+        waiting prompt is hashed once, not at every admission attempt)."""
+        if keys is None:
+            keys = self.prefix_keys(tokens)
         pages: list[int] = []
         for key in keys:
             page = self.page_of.get(key)
@@ -97,6 +101,10 @@ class PrefixCache:
                 return Match(tokens=n * self.page_size, pages=pages[:n], checkpoint=ckpt, keys=keys[:n],
                              page_tokens=page_tokens)
         return Match(page_tokens=page_tokens)
+
+    def prefix_keys(self, tokens: list[int]) -> list[bytes]:
+        """What :meth:`match` hashes: the full pages of all but the last token."""
+        return chain_hashes(tokens[: len(tokens) - 1], self.page_size)
 
     def acquire(self, match: Match) -> None:
         """A request takes the matched pages (one reference each) and locks the checkpoint."""

@@ -49,6 +49,13 @@ class Request:
     forwards: int = 0
     prefill_forwards: int = 0
     in_flight: bool = False
+    # Positions the prefill computes: the prompt, or after a preemption the prompt and every output
+    # token but the last (whose forward is the next decode).
+    prefill_len: int = 0
+    pages_sent: int = 0  # page-table entries the executor already holds for this request's slot
+    admitted: bool = False  # PromptAdmitted went out (once per request, even if preempted later)
+    preemptions: int = 0
+    match_keys: list[bytes] | None = None  # prefix-cache chain hashes of the prefill tokens, kept
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
     abort_reason: str | None = None
     finish_reason: str | None = None
@@ -59,7 +66,8 @@ class Request:
         if not msg.ignore_eos:
             stops.update(eos_ids)
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=msg.sampling,
-                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), arrival=msg.arrival)
+                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), arrival=msg.arrival,
+                   prefill_len=len(msg.prompt_ids))
 
     @property
     def prompt_len(self) -> int:
@@ -76,6 +84,3 @@ class Request:
         tail = self.output[max(start - p, 0):end - p] if end > p else []
         return head + tail
 
-    def max_positions(self) -> int:
-        """Positions the request can ever occupy (prompt plus every output token but the last)."""
-        return self.prompt_len + max(self.max_tokens, 1) - 1

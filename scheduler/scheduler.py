@@ -40,6 +40,7 @@ class Scheduler:
         self.counters: dict[str, int] = {
             "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
             "forwards": 0, "prefill_forwards": 0, "cache_queries": 0, "cache_hits": 0, "cached_tokens": 0,
+            "preemptions": 0,
             "checkpoints_written": 0, "checkpoints_evicted": 0, "pages_evicted": 0, "request_forwards": 0,
         }
         self.cache: PrefixCache | None = None
@@ -109,9 +110,12 @@ class Scheduler:
         self._admit()
         segments: list[SegmentSpec] = []
         copies: list[list[int]] = []
-        for req in self.running.values():
-            if req.prefill_done and not req.in_flight:
+        for req in list(self.running.values()):
+            if req.prefill_done and not req.in_flight and req.status is Status.RUNNING \
+                    and self._ensure_pages(req, req.num_computed + 1):
                 segments.append(self._decode_segment(req))
+        # A preemption above may have emptied a decode taken before it.
+        segments = [seg for seg in segments if self.requests[seg.rid].status is Status.RUNNING]
         budget = self.args.max_prefill_length or float("inf")
         used = 0
         mode = "chunked"
@@ -124,15 +128,17 @@ class Scheduler:
             if (used and used + (end - start) > budget) or (alone and segments):
                 break
             exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
-            last = end == req.prompt_len
+            last = end == req.prefill_len
             if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.want_logits:
                 slot = self._rolling_slot(req)
                 if slot is not None:
                     exports.append([end - start, slot])
+            base, pages = self._page_delta(req)
+            # A resumed request (preempted while decoding) already holds its next token: no sample.
             segments.append(SegmentSpec(
-                rid=req.rid, slot=req.slot, start=start, token_ids=req.prompt[start:end], pages=req.pages,
-                sample=last and not req.want_logits, sampling=req.sampling, sample_index=0, exports=exports,
-                want_logits=req.want_logits,
+                rid=req.rid, slot=req.slot, start=start, token_ids=req.tokens(start, end), pages=pages,
+                page_base=base, sample=last and not req.want_logits and not req.output, sampling=req.sampling,
+                sample_index=0, exports=exports, want_logits=req.want_logits,
             ))
             copies += req.copies
             req.copies = []
@@ -158,8 +164,58 @@ class Scheduler:
             slot = self._rolling_slot(req)
             if slot is not None:
                 exports.append([1, slot])
-        return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=req.pages,
-                           sample=True, sampling=req.sampling, sample_index=len(req.output), exports=exports)
+        base, pages = self._page_delta(req)
+        return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=pages,
+                           page_base=base, sample=True, sampling=req.sampling, sample_index=len(req.output),
+                           exports=exports)
+
+    def _page_delta(self, req: Request) -> tuple[int, list[int]]:
+        """The page-table entries the executor does not hold yet (it keeps each slot's table)."""
+        base = req.pages_sent
+        req.pages_sent = len(req.pages)
+        return base, req.pages[base:]
+
+    # ---- memory on demand ---------------------------------------------------------------------
+    def _ensure_pages(self, req: Request, positions: int) -> bool:
+        """Give ``req`` pages for ``positions``; under pressure preempt the newest running request
+        (``req`` itself if it is the newest). ``False`` when ``req`` cannot run this turn."""
+        need = self._pages_for(positions) - len(req.pages)
+        while need > 0:
+            new = self.cache.alloc_pages(need) if self.cache is not None else self.pages.alloc(need)
+            if new is not None:
+                req.pages += new
+                return True
+            victim = next((r for r in reversed(self.running.values())
+                           if not r.in_flight and not r.want_logits), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's pages and slot and requeue it first. Its computed pages and its latest
+        checkpoint stay in the prefix cache, so resuming recomputes only what no checkpoint covers."""
+        if self.cache is not None:
+            self._release_cache_state(req, publish=True)
+            self.cache.release_pages(req.pages)
+        else:
+            self.pages.decref(req.pages)
+        if req.slot is not None:
+            self.slots.free(req.slot)
+        self.running.pop(req.rid)
+        req.status = Status.WAITING
+        req.slot, req.pages, req.pages_sent, req.page_keys = None, [], 0, []
+        req.chunks, req.next_chunk, req.num_computed, req.copies = [], 0, 0, []
+        req.layer_major = False
+        req.prefill_len = req.prompt_len + max(len(req.output) - 1, 0)
+        req.match_keys = None
+        req.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(req)
+        logger.info("preempted %s at %d tokens (%d output); it resumes when pages free up", req.rid,
+                    req.prefill_len, len(req.output))
 
     def _rolling_slot(self, req: Request) -> int | None:
         """The request's end-of-request checkpoint slot, about to be rewritten."""
@@ -249,10 +305,13 @@ class Scheduler:
             req.status = Status.RUNNING
             if req.restore is not None:
                 req.copies = [[req.restore.slot, req.slot]]
-            req.layer_major, why = layer_major_decision(self.args, req.prompt_len - req.cached_tokens,
+            req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
                                                         len(self.running) + len(self.waiting), req.want_logits)
             plan = self._plan(req)
             self.running[req.rid] = req
+            if req.admitted:  # resumed after a preemption: admitted (and reported) once already
+                continue
+            req.admitted = True
             self.counters["prompt_tokens"] += req.prompt_len
             self.emit(PromptAdmitted(
                 rid=req.rid, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
@@ -262,14 +321,18 @@ class Scheduler:
 
     def _take_memory(self, req: Request) -> bool:
         """Match the prefix cache and take the request's pages; ``False`` (nothing taken) to wait."""
-        need = self._pages_for(req.max_positions())
+        need = self._pages_for(req.prefill_len)  # decoding takes its pages as it goes
         if self.cache is None or req.want_logits:
-            pages = self.pages.alloc(need)
+            # Scoring matches nothing (it needs every row's logits) but evicts cached pages like anyone.
+            pages = self.pages.alloc(need) if self.cache is None else self.cache.alloc_pages(need)
             if pages is None:
                 return False
-            req.pages, req.cached_tokens = pages, 0
+            req.pages = pages
             return True
-        match = self.cache.match(req.prompt)
+        tokens = req.tokens(0, req.prefill_len)
+        if req.match_keys is None:
+            req.match_keys = self.cache.prefix_keys(tokens)
+        match = self.cache.match(tokens, req.match_keys)
         fresh = need - len(match.pages)
         in_lru = sum(1 for p in match.pages if p in self.cache.evictable)
         if self.cache.available_pages() - in_lru < fresh:
@@ -277,7 +340,8 @@ class Scheduler:
         self.counters["cache_queries"] += 1
         self.cache.acquire(match)
         req.pages = match.pages + self.cache.alloc_pages(fresh)
-        req.cached_tokens = match.tokens
+        if not req.admitted:  # usage reports the first admission's hit
+            req.cached_tokens = match.tokens
         req.num_computed = match.tokens
         req.restore = match.checkpoint
         req.page_keys = match.keys
@@ -290,7 +354,7 @@ class Scheduler:
     def _plan(self, req: Request) -> CheckpointPlan:
         cache = self.cache if not req.want_logits else None
         plan = plan_prompt(
-            prompt_len=req.prompt_len, cached=req.cached_tokens,
+            prompt_len=req.prefill_len, cached=req.num_computed,
             max_chunk=None if req.layer_major else self.args.max_prefill_length,
             align=self.args.checkpoint_align, coalesce=self.args.prefill_coalesce,
             checkpoint=cache is not None and cache.needs_state, branch=req.branch,
