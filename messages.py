@@ -39,6 +39,7 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     ignore_eos: bool = False
     stop: list[str] = []  # stop strings, applied by the detokenizer
     stop_token_ids: list[int] = []
+    skip_special_tokens: bool = True  # applied by the detokenizer
     arrival: float = 0.0
 
 

@@ -137,7 +137,8 @@ class Frontend:
             rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
             sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
                                     seed=parsed.seed),
-            ignore_eos=parsed.ignore_eos, stop=parsed.stop, arrival=time.time()))
+            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
+            arrival=time.time()))
         done = False
         try:
             if parsed.stream:

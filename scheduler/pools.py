@@ -11,15 +11,24 @@ class SlotPool:
     def __init__(self, num_slots: int, start: int = 0):
         self.total = num_slots
         self._free = deque(range(start, start + num_slots))
+        self._held: set[int] = set()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.popleft() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._held.add(slot)
+        return slot
 
     def free(self, slot: int) -> None:
+        """Return a held slot; freeing one twice (two owners of one state) is a bug and raises."""
+        if slot not in self._held:
+            raise RuntimeError(f"state slot {slot} freed but not held")
+        self._held.remove(slot)
         self._free.append(slot)
 
 

@@ -49,7 +49,8 @@ class SchedulerLoop:
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            self.to_detok.send(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop))
+            self.to_detok.send(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop,
+                                              skip_special_tokens=msg.skip_special_tokens))
             self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)

@@ -123,3 +123,30 @@ def test_abort_is_idempotent_everywhere(make):
     assert sorted((e.rid, e.finish_reason) for e in finished) == [("a", "abort"), ("b", "abort")]
     stats = sched.stats()
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0 and not sched.has_work()
+
+
+def test_slot_pool_refuses_a_double_free():
+    from tidal.scheduler.pools import SlotPool
+
+    pool = SlotPool(2, start=10)
+    slot = pool.alloc()
+    pool.free(slot)
+    with pytest.raises(RuntimeError, match="freed but not held"):
+        pool.free(slot)
+    with pytest.raises(RuntimeError):
+        pool.free(99)
+
+
+def test_skip_special_tokens_reaches_the_detokenizer(tiny_checkpoint):
+    """The scheduler loop forwards the request's skip_special_tokens in DetokenizeInit."""
+    from tidal.messages import DetokenizeInit
+    from tidal.scheduler.process import SchedulerLoop
+
+    sent = []
+    loop = object.__new__(SchedulerLoop)
+    loop.to_detok = type("Sink", (), {"send": staticmethod(sent.append)})()
+    loop.scheduler = type("NoScheduler", (), {"add_request": staticmethod(lambda msg: None)})()
+    loop.handle(GenerateReq(rid="x", prompt_ids=[1, 2, 3], max_tokens=2, skip_special_tokens=False))
+    loop.handle(GenerateReq(rid="y", prompt_ids=[1, 2, 3], max_tokens=2))
+    assert [(m.rid, m.skip_special_tokens) for m in sent if isinstance(m, DetokenizeInit)] == \
+        [("x", False), ("y", True)]
