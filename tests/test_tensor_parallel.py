@@ -142,6 +142,15 @@ def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint, coalesce):
     assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
 
 
+def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint):
+    """Each rank streams its own slice of every expert and gathers its PLE columns from host memory."""
+    llm = LLM(tp_checkpoint, max_prefill_length=64)
+    ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
+    logits, ids, _ = run_tp(tp_checkpoint, 2, max_prefill_length=64, moe_strategy="offload", moe_cache_slots=4,
+                            ple_backend="pinned")
+    assert (logits - ref[0]).abs().max().item() <= 1e-4 and ids == ref[1]
+
+
 def test_random_weights_are_the_same_at_any_tp(tp_checkpoint):
     ref = LLM(tp_checkpoint, load_format="random", seed=9).score(_prompt())
     logits, _, _ = run_tp(tp_checkpoint, 2, load_format="random", seed=9)
