@@ -124,6 +124,19 @@ class Mesh:
                 p.wait()
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether the frontend could bind ``host:port`` (checked before any process starts)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def supervise_executors(mesh: "Mesh", stopping: dict) -> int:
     logger.info("host %d: executors %s started", mesh.args.node_rank, mesh.args.local_ranks())
     while stopping["signal"] is None:
@@ -157,6 +170,9 @@ def serve(args: ServerArgs) -> int:
         except ConfigError as e:
             logger.error("--model %s: %s", model_path, e)
             return 2
+    if args.node_rank == 0 and not port_free(args.host, args.port):
+        logger.error("--port %d: %s:%d is already in use (pick another port)", args.port, args.host, args.port)
+        return 2
     run_dir = tempfile.mkdtemp(prefix="tidal-")
     os.chmod(run_dir, 0o700)
     args = wire(args, run_dir)

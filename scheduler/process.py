@@ -55,10 +55,14 @@ class SchedulerLoop:
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)
         elif isinstance(msg, BatchResult):
-            batch, self.in_flight = self.in_flight, None
+            batch = self.in_flight
             if batch is None or batch.batch_id != msg.batch_id:
-                logger.error("result for batch %s does not match the batch in flight", msg.batch_id)
+                # A stale answer (another rank's copy of a batch already settled, or one given up on
+                # by a recovery): the batch in flight, if any, still waits for its own.
+                logger.warning("result for batch %s is not the batch in flight (%s); ignored", msg.batch_id,
+                               None if batch is None else batch.batch_id)
                 return
+            self.in_flight = None
             if msg.executor_stats:
                 self.scheduler.executor_stats = msg.executor_stats
             if msg.error is not None:
@@ -96,13 +100,12 @@ class SchedulerLoop:
         self._send_stats()
 
     def _recover(self, what: str) -> None:
-        """A scheduler bug fails the requests it holds, not the process."""
-        logger.exception("scheduler error while %s; failing the requests in flight", what)
-        for rid in list(self.scheduler.requests):
-            try:
-                self.scheduler.abort(rid, "error")
-            except Exception:
-                logger.exception("could not abort %s", rid)
+        """A scheduler bug fails the requests it holds, not the process: every request ends with an
+        error now (its client gets an answer, its pages and slot return), and the batch in flight is
+        given up on (its result, when it comes, is stale)."""
+        logger.exception("scheduler error while %s; failing every request", what)
+        self.in_flight = None
+        self.scheduler.fail_all(f"internal error in the scheduler while {what}")
 
     def _send_stats(self) -> None:
         now = time.monotonic()

@@ -283,6 +283,19 @@ class Scheduler:
             else:
                 self.cache.slots.free(slot)
 
+    def fail_all(self, error: str) -> None:
+        """End every request with ``error`` (in flight or not): the recovery from a scheduler bug."""
+        for req in list(self.waiting) + list(self.running.values()):
+            try:
+                if req.status is Status.WAITING:
+                    self.waiting.remove(req)
+                req.in_flight = False
+                self._finish(req, "error", error=error)
+            except Exception:
+                logger.exception("could not fail %s cleanly", req.rid)
+                self.running.pop(req.rid, None)
+                self.requests.pop(req.rid, None)
+
     def fail_batch(self, batch: Batch, error: str) -> None:
         """The executor could not run ``batch``: every request in it ends with an error."""
         for seg in batch.segments:

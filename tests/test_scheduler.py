@@ -150,3 +150,57 @@ def test_skip_special_tokens_reaches_the_detokenizer(tiny_checkpoint):
     loop.handle(GenerateReq(rid="y", prompt_ids=[1, 2, 3], max_tokens=2))
     assert [(m.rid, m.skip_special_tokens) for m in sent if isinstance(m, DetokenizeInit)] == \
         [("x", False), ("y", True)]
+
+
+def _loop(make):
+    """A SchedulerLoop around a real Scheduler, with its sockets replaced by lists."""
+    from tidal.scheduler.process import SchedulerLoop
+
+    sched, events = make(disable_prefix_cache=True)
+    loop = object.__new__(SchedulerLoop)
+    loop.scheduler, loop.in_flight, loop.running = sched, None, True
+    sent_detok, sent_exec = [], []
+    loop.to_detok = type("Sink", (), {"send": staticmethod(sent_detok.append)})()
+    loop.to_executors = [type("Sink", (), {"send": staticmethod(sent_exec.append)})()]
+    loop._last_stats, loop._last_stats_time = None, 0.0
+    return loop, events, sent_exec
+
+
+def _feed(loop, msgs):
+    """One scheduler-loop step that receives ``msgs``."""
+    def drain():
+        rest = list(msgs)
+        msgs.clear()
+        return rest
+    loop.inbound = type("Inbox", (), {"recv": staticmethod(lambda timeout_ms: msgs.pop(0) if msgs else None),
+                                      "drain": staticmethod(drain)})()
+    loop.step()
+
+
+def test_a_failure_in_result_handling_ends_every_request(make, monkeypatch):
+    from tidal.messages import BatchResult
+
+    loop, events, sent = _loop(make)
+    _feed(loop, [req("a", 10), req("b", 12)])
+    batch = sent[-1]
+    assert loop.in_flight is batch
+    monkeypatch.setattr(loop.scheduler, "process_result", lambda *a: 1 / 0)
+    _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7] * len(batch.segments))])
+    ends = {e.rid: e for e in events if isinstance(e, Detokenize) and e.finished}
+    assert set(ends) == {"a", "b"} and all(e.finish_reason == "error" for e in ends.values())
+    stats = loop.scheduler.stats()
+    assert stats.running == 0 and stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+    assert loop.in_flight is None and not loop.scheduler.has_work()
+
+
+def test_a_stale_result_leaves_the_batch_in_flight(make):
+    from tidal.messages import BatchResult
+
+    loop, events, sent = _loop(make)
+    _feed(loop, [req("a", 10)])
+    batch = sent[-1]
+    _feed(loop, [BatchResult(batch_id=batch.batch_id + 100, token_ids=[7])])
+    assert loop.in_flight is batch  # still waiting for its own result
+    _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7])])
+    assert loop.in_flight is not batch
+    assert any(isinstance(e, Detokenize) and e.rid == "a" and e.token_ids == [7] for e in events)

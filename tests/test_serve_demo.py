@@ -64,3 +64,19 @@ def test_demo_model_503_until_ready_then_serves(tmp_path):
         proc.wait(30)
         time.sleep(0.5)
         assert not [p for p in children if os.path.exists(f"/proc/{p}")]
+
+
+def test_port_in_use_is_one_line_before_anything_starts(tiny_checkpoint):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--model", tiny_checkpoint, "--port",
+                               str(port)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and f"--port {port}" in lines[0] and "already in use" in lines[0], lines
