@@ -139,16 +139,13 @@ class Frontend:
                                     seed=parsed.seed),
             ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
             arrival=time.time()))
-        done = False
+        state: dict = {}  # "first": a token arrived; "finished": the request ended on the server
         try:
             if parsed.stream:
-                response = await self._stream(request, rid, parsed, queue, arrival)
-            else:
-                response = await self._collect(rid, parsed, queue, arrival)
-            done = True
-            return response
+                return await self._stream(request, rid, parsed, queue, arrival, state)
+            return await self._collect(rid, parsed, queue, arrival, state)
         finally:
-            if done:
+            if state.get("finished"):
                 self.client.release(rid)
             else:  # client gone or handler failed: free everything the request holds
                 self.metrics.finished("abort", None)
@@ -160,7 +157,9 @@ class Frontend:
             state["first"] = True
             self.metrics.observe_ttft(time.monotonic() - arrival)
         if delta.finished:
-            self.metrics.finished(delta.finish_reason, delta.usage)
+            state["finished"] = True
+            if delta.error_status != 400:  # a request refused at admission counts as rejected, once
+                self.metrics.finished(delta.finish_reason, delta.usage)
         return delta
 
     @staticmethod
@@ -173,8 +172,8 @@ class Frontend:
         if parsed.chat and reason in ("stop", "length"):
             self.answers.remember(text, ids, self.tokenizer)
 
-    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival) -> web.Response:
-        parts, ids, state = [], [], {}
+    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict) -> web.Response:
+        parts, ids = [], []
         while True:
             delta = await self._next(queue, state, arrival)
             parts.append(delta.text)
@@ -188,8 +187,9 @@ class Frontend:
         return _json(full_response(rid, int(time.time()), parsed.model, parsed.chat, "".join(parts),
                                    delta.finish_reason, usage))
 
-    async def _stream(self, request, rid: str, parsed: ParsedRequest, queue, arrival) -> web.StreamResponse:
-        created, model, state = int(time.time()), parsed.model, {}
+    async def _stream(self, request, rid: str, parsed: ParsedRequest, queue, arrival,
+                      state: dict) -> web.StreamResponse:
+        created, model = int(time.time()), parsed.model
         delta = await self._next(queue, state, arrival)
         # Errors before the first token (admission) still get a proper status and error body.
         if delta.finished and delta.finish_reason == "error" and not delta.text:

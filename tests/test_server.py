@@ -304,3 +304,20 @@ def test_bad_flag_values_name_the_flag(tiny_checkpoint):
         out = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--model", tiny_checkpoint, *flags],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and needle in out.stderr
+
+
+def test_a_request_refused_by_the_scheduler_counts_once(tiny_checkpoint):
+    """More KV pages than the pool holds: a 400 with the scheduler's words, counted as rejected only."""
+    srv = Server(tiny_checkpoint, "--kv-pool-tokens", "1024", api_key=None)
+    try:
+        start = srv.metrics()
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": list(range(1, 101)),
+                                                    "max_tokens": 2000})
+        assert status == 400 and "KV pages" in body["error"]["message"], body
+        m = srv.metrics()
+        assert m["tidal_requests_rejected_total"] == start["tidal_requests_rejected_total"] + 1
+        for reason in ("error", "abort"):
+            key = f'tidal_requests_total{{finish_reason="{reason}"}}'
+            assert m.get(key, 0) == start.get(key, 0), key
+    finally:
+        assert srv.stop() == []
