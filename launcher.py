@@ -8,6 +8,7 @@ after every child is gone and the run directory is removed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -124,6 +125,22 @@ class Mesh:
                 p.wait()
 
 
+def remove_sockets(args: ServerArgs, run_dir: str, made_dir: bool) -> None:
+    """Remove every ipc:// socket file this server bound (a --tap-addr outside the run directory too),
+    and the run directory if this server made it."""
+    for name in ("scheduler_addr", "detokenizer_addr", "frontend_addr", "control_addr", "tap_addr"):
+        addr = getattr(args, name)
+        if addr and addr.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(addr[len("ipc://"):])
+    for addr in args.executor_addrs():
+        if addr.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(addr[len("ipc://"):])
+    if made_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def port_free(host: str, port: int) -> bool:
     """Whether the frontend could bind ``host:port`` (checked before any process starts)."""
     import socket
@@ -173,7 +190,10 @@ def serve(args: ServerArgs) -> int:
     if args.node_rank == 0 and not port_free(args.host, args.port):
         logger.error("--port %d: %s:%d is already in use (pick another port)", args.port, args.host, args.port)
         return 2
-    run_dir = tempfile.mkdtemp(prefix="tidal-")
+    # --run-dir: the socket directory (made if missing, and then removed on exit); default a fresh one.
+    made = args.run_dir is None or not os.path.exists(args.run_dir)
+    run_dir = tempfile.mkdtemp(prefix="tidal-") if args.run_dir is None else args.run_dir
+    os.makedirs(run_dir, exist_ok=True)
     os.chmod(run_dir, 0o700)
     args = wire(args, run_dir)
     ctx = zmq.Context()
@@ -230,7 +250,7 @@ def serve(args: ServerArgs) -> int:
     finally:
         mesh.stop()
         ctx.destroy(0)
-        shutil.rmtree(run_dir, ignore_errors=True)
+        remove_sockets(args, run_dir, made)
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -80,3 +80,20 @@ def test_port_in_use_is_one_line_before_anything_starts(tiny_checkpoint):
     assert proc.returncode == 2
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert len(lines) == 1 and f"--port {port}" in lines[0] and "already in use" in lines[0], lines
+
+
+def test_run_dir_is_used_and_every_socket_removed_on_exit(tiny_checkpoint, tmp_path):
+    """--run-dir holds the sockets (0700) and goes away with the server; so does a --tap-addr socket
+    placed elsewhere."""
+    import stat
+
+    from server_harness import Server
+
+    run_dir = tmp_path / "run"
+    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir), api_key=None)
+    tap_file = srv.tap_addr[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    assert any(name.startswith("scheduler") for name in os.listdir(run_dir))
+    assert os.path.exists(tap_file)
+    assert srv.stop() == []
+    assert not run_dir.exists() and not os.path.exists(tap_file)
