@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,6 +131,9 @@ class Server:
         while alive and time.time() < deadline:
             alive = [p for p in children if os.path.exists(f"/proc/{p}") and "tidal" in cmdline(p)]
             time.sleep(0.05)
+        if not alive:  # keep the folder (its serve.log) only when something went wrong
+            self.log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
         return alive
 
 

@@ -90,8 +90,8 @@ def test_run_dir_is_used_and_every_socket_removed_on_exit(tiny_checkpoint, tmp_p
     from server_harness import Server
 
     run_dir = tmp_path / "run"
-    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir), api_key=None)
-    tap_file = srv.tap_addr[len("ipc://"):]
+    tap_file = str(tmp_path / "tap")
+    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir), "--tap-addr", f"ipc://{tap_file}", api_key=None)
     assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert any(name.startswith("scheduler") for name in os.listdir(run_dir))
     assert os.path.exists(tap_file)

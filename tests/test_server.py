@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -260,19 +259,19 @@ def test_stop_string_ends_text(server, client):
     assert server.wait_idle()["tidal_kv_pages_in_use"] == 0
 
 
-def test_processes_are_named_and_sigterm_leaves_nothing(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
+def test_processes_are_named_and_sigterm_leaves_nothing(tiny_checkpoint, tmp_path):
+    run_dir = tmp_path / "run"  # this server's own: other tidal servers on the machine do not matter
+    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir), api_key=None)
     names = sorted(cmdline(p) for p in child_pids(srv.proc.pid))
     assert names == ["tidal-detokenizer", "tidal-executor-0", "tidal-frontend", "tidal-scheduler"]
     for pid in child_pids(srv.proc.pid):
         with open(f"/proc/{pid}/comm") as f:
             assert f.read().strip().startswith("tidal-")
-    run_dirs = [d for d in os.listdir("/tmp") if d.startswith("tidal-") and not d.startswith("tidal-test")]
+    assert run_dir.exists()
     alive = srv.stop()
     assert alive == []
     assert srv.proc.returncode == 0
-    after = [d for d in os.listdir("/tmp") if d.startswith("tidal-") and not d.startswith("tidal-test")]
-    assert len(after) < len(run_dirs) or not run_dirs
+    assert not run_dir.exists()
 
 
 def test_tcp_addresses(tiny_checkpoint):
