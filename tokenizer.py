@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import re
 import unicodedata
 from functools import lru_cache
 
@@ -208,22 +209,24 @@ class HFTokenizer(Tokenizer):
         return token_id in self._special_ids or token_id >= self.n_vocab
 
 
+@lru_cache(maxsize=8)
+def _specials_pattern(specials: tuple[str, ...]) -> re.Pattern:
+    # Longest first, so a special string that starts another is not matched short.
+    return re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True) if s))
+
+
 def _split_specials(text: str, specials: list[str]):
-    """Yield ``(piece, is_special_string)`` splitting ``text`` at special-token strings."""
-    if not specials:
+    """Yield ``(piece, is_special_string)`` splitting ``text`` at special-token strings (one regex
+    scan, not a comparison per character)."""
+    if not any(specials):
         yield text, False
         return
-    i = start = 0
-    while i < len(text):
-        match = next((s for s in specials if s and text.startswith(s, i)), None)
-        if match:
-            if start < i:
-                yield text[start:i], False
-            yield match, True
-            i += len(match)
-            start = i
-        else:
-            i += 1
+    start = 0
+    for m in _specials_pattern(tuple(specials)).finditer(text):
+        if start < m.start():
+            yield text[start:m.start()], False
+        yield m.group(), True
+        start = m.end()
     if start < len(text):
         yield text[start:], False
 

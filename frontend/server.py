@@ -123,16 +123,18 @@ class Frontend:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if not self.client.ready:
             raise APIError(503, "the server is not ready", type_="service_unavailable")
+        arrival = time.monotonic()  # time to first token counts tokenization too
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise APIError(400, "the request body is not valid JSON") from None
+        # Validation, chat templates and tokenization run in a worker thread: a long prompt must not
+        # stall every other stream and /health on the event loop.
         if chat:
-            parsed = parse_chat(body, self.limits, self.tokenizer, self.answers)
+            parsed = await asyncio.to_thread(parse_chat, body, self.limits, self.tokenizer, self.answers)
         else:
-            parsed = parse_completion(body, self.limits, self.tokenizer)
+            parsed = await asyncio.to_thread(parse_completion, body, self.limits, self.tokenizer)
         rid = uuid.uuid4().hex
-        arrival = time.monotonic()
         queue = await self.client.submit(GenerateReq(
             rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
             sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,

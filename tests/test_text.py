@@ -92,3 +92,34 @@ def test_detokenizer_stop_aborts_the_request(tok):
     assert isinstance(final, TextDelta) and final.finished and final.finish_reason == "stop"
     assert final.usage.completion_tokens == len(tok.encode("ab")) + len(tok.encode("cdef"))
     assert len(texts) == 2 and len(tapped) == 3
+
+
+def test_special_string_split_equals_a_scan_at_every_character():
+    """The one-regex split of text at special-token strings against the plain left-to-right scan."""
+    import random
+
+    from tidal.tokenizer import _split_specials
+
+    specials = sorted(["<|im_start|>", "<|im_end|>", "<|im", "<think>", "</think>"], key=len, reverse=True)
+
+    def scan(text):
+        out, i, start = [], 0, 0
+        while i < len(text):
+            hit = next((s for s in specials if text.startswith(s, i)), None)
+            if hit:
+                if start < i:
+                    out.append((text[start:i], False))
+                out.append((hit, True))
+                i += len(hit)
+                start = i
+            else:
+                i += 1
+        if start < len(text):
+            out.append((text[start:], False))
+        return out
+
+    rng = random.Random(0)
+    alphabet = ["a", "<", "|", ">", "im", "_start", "_end", "think", "/", " ", "é", *specials]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30)))
+        assert list(_split_specials(text, specials)) == scan(text), text
