@@ -40,9 +40,10 @@ NEUTRAL_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio", "to
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+                 type_: str = "invalid_request_error", code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (503 at capacity)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

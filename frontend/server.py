@@ -46,7 +46,10 @@ def _json(data, status: int = 200) -> web.Response:
 
 
 def _error(err: APIError) -> web.Response:
-    return _json(err.body(), status=err.status)
+    response = _json(err.body(), status=err.status)
+    if err.retry_after is not None:
+        response.headers["Retry-After"] = str(err.retry_after)
+    return response
 
 
 def _sse(data) -> bytes:
@@ -81,7 +84,7 @@ class Frontend:
         try:
             return await handler(request)
         except APIError as e:
-            if e.status == 400:
+            if e.status in (400, 503):
                 self.metrics.rejected += 1
             return _error(e)
         except web.HTTPException as e:
@@ -124,6 +127,11 @@ class Frontend:
         if not self.client.ready:
             raise APIError(503, "the server is not ready", type_="service_unavailable")
         arrival = time.monotonic()  # time to first token counts tokenization too
+        capacity = self.args.max_running_requests + self.args.max_queued_requests
+        if len(self.client.queues) >= capacity:
+            raise APIError(503, f"the server is at capacity: {capacity} requests running or queued "
+                                f"(--max-running-requests + --max-queued-requests); retry shortly",
+                           type_="service_unavailable", retry_after=1)
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -320,3 +320,28 @@ def test_a_request_refused_by_the_scheduler_counts_once(tiny_checkpoint):
             assert m.get(key, 0) == start.get(key, 0), key
     finally:
         assert srv.stop() == []
+
+
+def test_at_capacity_requests_get_503_with_retry_after(tiny_checkpoint):
+    """One running and one queued request at most: a third concurrent one is refused at once."""
+    srv = Server(tiny_checkpoint, "--max-running-requests", "1", "--max-queued-requests", "1", api_key=None)
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                async def post(n):
+                    async with s.post(srv.url + "/v1/completions", json={
+                            "model": "tiny", "prompt": list(range(1, 400)), "max_tokens": n,
+                            "temperature": 0, "ignore_eos": True}) as r:
+                        return r.status, r.headers.get("Retry-After"), await r.json()
+                slow = [asyncio.ensure_future(post(60)) for _ in range(2)]
+                await asyncio.sleep(0.5)  # both submitted (one running, one queued)
+                third = await post(2)
+                return third, await asyncio.gather(*slow)
+        (status, retry, body), first_two = asyncio.run(go())
+        assert status == 503 and retry == "1" and body["error"]["type"] == "service_unavailable", body
+        assert [s for s, _, _ in first_two] == [200, 200]
+        status, _ = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert status == 200  # room again
+        assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
+    finally:
+        assert srv.stop() == []
