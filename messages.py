@@ -4,7 +4,8 @@ The names are the seams the design and the tap rely on::
 
     frontend  --GenerateReq / AbortReq-->  scheduler  --Batch-->  executors
     scheduler <--BatchResult-- executor rank 0
-    scheduler --Detokenize / PromptAdmitted / SchedulerStats--> detokenizer --TextDelta--> frontend
+    scheduler --StepOutput (the step's DetokenizeInit / PromptAdmitted / Detokenize) / SchedulerStats-->
+        detokenizer --TextDelta--> frontend
     scheduler, detokenizer --PromptAdmitted / Detokenize--> tap (PUB)
 
 Each socket decodes with one typed decoder over the union it may carry (see ``decoder``); nothing
@@ -92,6 +93,12 @@ class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
     error: str | None = None
     # HTTP status for an error: 400 the request can never run here, 500 it failed while running.
     error_status: int | None = None
+
+
+class StepOutput(Struct, tag="StepOutput"):
+    """Everything one scheduler step emits for the detokenizer, as one message (in order)."""
+
+    events: list[DetokenizeInit | PromptAdmitted | Detokenize] = []
 
 
 class SchedulerStats(Struct, tag="SchedulerStats"):
@@ -187,7 +194,7 @@ class HealthPing(Struct, tag="HealthPing"):
 
 SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown | Ready
 ExecutorInbound = Batch | Shutdown
-DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | SchedulerStats | Shutdown
+DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | StepOutput | SchedulerStats | Shutdown
 FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | Ready | ExecutorFailed | Shutdown
 TapMessage = PromptAdmitted | Detokenize
 

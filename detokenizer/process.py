@@ -18,6 +18,7 @@ from ..messages import (
     Ready,
     SchedulerInbound,
     SchedulerStats,
+    StepOutput,
     TextDelta,
     Usage,
 )
@@ -101,13 +102,14 @@ def run_detokenizer(args: ServerArgs, model_path: str) -> None:
         if isinstance(msg, SchedulerStats):
             to_frontend.send(msg)
             continue
-        try:
-            detok.handle(msg)
-        except Exception as e:  # one request's failure must not stop the others' text
-            logger.exception("detokenizing %s failed", getattr(msg, "rid", "?"))
-            rid = getattr(msg, "rid", None)
-            if rid is not None:
-                detok.states.pop(rid, None)
-                to_scheduler.send(AbortReq(rid=rid, reason="error"))
-                to_frontend.send(TextDelta(rid=rid, text="", token_ids=[], finished=True, finish_reason="error",
-                                           error=f"detokenizer: {e}", error_status=500))
+        for event in msg.events if isinstance(msg, StepOutput) else [msg]:
+            try:
+                detok.handle(event)
+            except Exception as e:  # one request's failure must not stop the others' text
+                logger.exception("detokenizing %s failed", getattr(event, "rid", "?"))
+                rid = getattr(event, "rid", None)
+                if rid is not None:
+                    detok.states.pop(rid, None)
+                    to_scheduler.send(AbortReq(rid=rid, reason="error"))
+                    to_frontend.send(TextDelta(rid=rid, text="", token_ids=[], finished=True,
+                                               finish_reason="error", error=f"detokenizer: {e}", error_status=500))

@@ -20,6 +20,7 @@ from ..messages import (
     Ready,
     SchedulerInbound,
     Shutdown,
+    StepOutput,
 )
 from ..sizing import pool_sizes
 from .scheduler import Scheduler
@@ -41,7 +42,9 @@ class SchedulerLoop:
         self.to_detok: Push = Push(self.ctx, args.detokenizer_addr)
         self.to_executors = [Push(self.ctx, addr) for addr in args.executor_addrs()]
         self.control: Push = Push(self.ctx, args.control_addr)
-        self.scheduler = Scheduler(args, config, self.sizes, self.to_detok.send)
+        # What a step emits for the detokenizer goes out as one StepOutput at the step's end.
+        self._out: list = []
+        self.scheduler = Scheduler(args, config, self.sizes, self._out.append)
         self.in_flight: Batch | None = None
         self._last_stats = None
         self._last_stats_time = 0.0
@@ -49,8 +52,8 @@ class SchedulerLoop:
 
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
-            self.to_detok.send(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop,
-                                              skip_special_tokens=msg.skip_special_tokens))
+            self._out.append(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop,
+                                            skip_special_tokens=msg.skip_special_tokens))
             self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)
@@ -97,6 +100,9 @@ class SchedulerLoop:
                 self.in_flight = batch
                 for sock in self.to_executors:
                     sock.send(batch)
+        if self._out:
+            self.to_detok.send(StepOutput(events=list(self._out)))
+            self._out.clear()
         self._send_stats()
 
     def _recover(self, what: str) -> None:

@@ -144,7 +144,7 @@ def test_skip_special_tokens_reaches_the_detokenizer(tiny_checkpoint):
 
     sent = []
     loop = object.__new__(SchedulerLoop)
-    loop.to_detok = type("Sink", (), {"send": staticmethod(sent.append)})()
+    loop._out = sent  # the step's buffer for the detokenizer
     loop.scheduler = type("NoScheduler", (), {"add_request": staticmethod(lambda msg: None)})()
     loop.handle(GenerateReq(rid="x", prompt_ids=[1, 2, 3], max_tokens=2, skip_special_tokens=False))
     loop.handle(GenerateReq(rid="y", prompt_ids=[1, 2, 3], max_tokens=2))
@@ -163,7 +163,16 @@ def _loop(make):
     loop.to_detok = type("Sink", (), {"send": staticmethod(sent_detok.append)})()
     loop.to_executors = [type("Sink", (), {"send": staticmethod(sent_exec.append)})()]
     loop._last_stats, loop._last_stats_time = None, 0.0
-    return loop, events, sent_exec
+    loop._out = events  # the scheduler's emit target is the loop's per-step buffer
+    loop.sent_detok = sent_detok
+    return loop, sent_detok, sent_exec
+
+
+def _emitted(sent_detok) -> list:
+    """Every event the loop sent to the detokenizer, in order (unpacking its per-step messages)."""
+    from tidal.messages import StepOutput
+
+    return [e for m in sent_detok if isinstance(m, StepOutput) for e in m.events]
 
 
 def _feed(loop, msgs):
@@ -186,11 +195,26 @@ def test_a_failure_in_result_handling_ends_every_request(make, monkeypatch):
     assert loop.in_flight is batch
     monkeypatch.setattr(loop.scheduler, "process_result", lambda *a: 1 / 0)
     _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7] * len(batch.segments))])
-    ends = {e.rid: e for e in events if isinstance(e, Detokenize) and e.finished}
+    ends = {e.rid: e for e in _emitted(events) if isinstance(e, Detokenize) and e.finished}
     assert set(ends) == {"a", "b"} and all(e.finish_reason == "error" for e in ends.values())
     stats = loop.scheduler.stats()
     assert stats.running == 0 and stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
     assert loop.in_flight is None and not loop.scheduler.has_work()
+
+
+def test_one_message_per_step_to_the_detokenizer(make):
+    from tidal.messages import BatchResult, StepOutput
+
+    loop, events, sent = _loop(make)
+    _feed(loop, [req("a", 10), req("b", 12), req("c", 9)])
+    batch = sent[-1]
+    outputs = [m for m in loop.sent_detok if isinstance(m, StepOutput)]
+    # the step that admitted them: three inits and three admissions, one message
+    assert len(outputs) == 1 and len(outputs[0].events) == 6
+    loop.sent_detok.clear()
+    _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7] * len(batch.segments))])
+    outputs = [m for m in loop.sent_detok if isinstance(m, StepOutput)]
+    assert len(outputs) == 1 and sorted(e.rid for e in outputs[0].events) == ["a", "b", "c"]
 
 
 def test_a_stale_result_leaves_the_batch_in_flight(make):
@@ -203,4 +227,4 @@ def test_a_stale_result_leaves_the_batch_in_flight(make):
     assert loop.in_flight is batch  # still waiting for its own result
     _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7])])
     assert loop.in_flight is not batch
-    assert any(isinstance(e, Detokenize) and e.rid == "a" and e.token_ids == [7] for e in events)
+    assert any(isinstance(e, Detokenize) and e.rid == "a" and e.token_ids == [7] for e in _emitted(events))
