@@ -33,6 +33,7 @@ class ServerArgs:
     max_prefill_length: int | None = 8192
     max_running_requests: int = 32
     max_queued_requests: int = 1024
+    default_max_tokens: int = 4096
     page_size: int = 16
     kv_pool_tokens: int | None = None
     state_slots: int | None = None
@@ -83,6 +84,7 @@ class ServerArgs:
         need(0 < self.port < 65536, "port", f"must be in [1, 65535], got {self.port}")
         need(self.max_running_requests >= 1, "max_running_requests",
              f"must be >= 1, got {self.max_running_requests}")
+        need(self.default_max_tokens >= 0, "default_max_tokens", f"must be >= 0, got {self.default_max_tokens}")
         need(self.max_queued_requests >= 0, "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
         need(self.max_prefill_length is None or self.max_prefill_length >= 1, "max_prefill_length",
              f"must be >= 1, got {self.max_prefill_length}")
@@ -188,6 +190,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-length", type=_optional_int, default=d.max_prefill_length,
                    help="prompt tokens per scheduling turn (internal chunk size); 'none' for no limit")
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                   help="output tokens of a chat request that names no max_tokens (0: the rest of the context)")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="requests that may wait beyond the running ones; more get 503 with Retry-After")
     p.add_argument("--page-size", type=int, default=d.page_size)

@@ -59,6 +59,8 @@ class Limits:
     max_model_len: int
     kv_capacity: int
     vocab_size: int
+    # A chat request without max_tokens / max_completion_tokens gets this many (0: the rest of the context).
+    default_max_tokens: int = 0
 
 
 @dataclass
@@ -255,7 +257,8 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
     _check_prompt_ids(ids, limits, "messages")
     params = _sampling(body, limits)
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None, len(ids), limits)
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.default_max_tokens or None,
+                             len(ids), limits)
     return ParsedRequest(chat=True, prompt_ids=ids, max_tokens=max_tokens, **params)
 
 

@@ -62,7 +62,8 @@ class Frontend:
         config = ModelConfig.from_file(model_path)
         sizes = pool_sizes(args, config)
         self.limits = Limits(model_name=args.model_name, max_model_len=sizes.max_model_len,
-                             kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size)
+                             kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size,
+                             default_max_tokens=args.default_max_tokens)
         self.tokenizer = load_tokenizer(model_path)
         self.metrics = Metrics()
         self.answers = AnswerMemory()

@@ -345,3 +345,15 @@ def test_at_capacity_requests_get_503_with_retry_after(tiny_checkpoint):
         assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
     finally:
         assert srv.stop() == []
+
+
+def test_chat_without_max_tokens_takes_the_documented_default(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--default-max-tokens", "5", api_key=None)
+    try:
+        status, body = srv.post("/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0,
+            "ignore_eos": True})
+        assert status == 200, body
+        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
+    finally:
+        assert srv.stop() == []
