@@ -123,3 +123,26 @@ def test_special_string_split_equals_a_scan_at_every_character():
     for _ in range(300):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 30)))
         assert list(_split_specials(text, specials)) == scan(text), text
+
+
+def test_incremental_text_equals_one_decode_for_many_cuts(tok):
+    """Fed in arbitrary pieces, with stop strings, the deltas join to the one-shot result (the kept
+    window never loses a stop string that straddles pieces)."""
+    import random
+
+    text = "naïve café — ab stop here, then more text " * 20
+    ids = tok.encode(text)
+    rng = random.Random(1)
+    for stop in (None, ["stop here"], ["x"], ["e, t", "zzz"]):
+        expected = text if stop is None else text[: min(text.find(s) for s in stop if s in text)] \
+            if any(s in text for s in stop) else text
+        for _ in range(20):
+            inc = IncrementalText(tok, stop)
+            out, i = [], 0
+            while i < len(ids) and not inc.stopped:
+                n = rng.randrange(1, 6)
+                out.append(inc.feed(ids[i:i + n]))
+                i += n
+            out.append(inc.finish())
+            assert "".join(out) == expected
+            assert len(inc.buf) <= max((len(s) for s in stop or []), default=0) + 8
