@@ -68,9 +68,10 @@ class ModelRunner:
             shift = fb.num_tokens - streams.shape[0]
         else:
             group = tp()
-            before = dict(group.counters)
+            sharded = batch.hc_shard and group.size > 1
+            before = dict(group.counters) if sharded else None
             streams, pending = self.model(fb, hc_shard=batch.hc_shard)
-            if batch.hc_shard and group.size > 1:
+            if sharded:
                 self.hc_shard_forwards += 1
                 issued = {k: v - before.get(k, 0) for k, v in group.counters.items()}
                 logger.info("hc shard forward: %d rows, %d per rank, %d all-gathers, %d reduce-scatters",

@@ -81,7 +81,7 @@ def test_checkpoint_restore_continues_exactly(tiny_checkpoint, prompt, device, i
         full = _forward(runner, 0, 0, prompt, pages_a, exports=[(p, 9)])
     else:
         head = _forward(runner, 0, 0, prompt[:p], pages_a)
-        runner.states.copy(0, 9)
+        runner.states.copy_many([0], [9])
         full = torch.cat([head, _forward(runner, 0, p, prompt[p:], pages_a)])
     # Request B: shares A's first p // ps pages, owns fresh pages after them, restores slot 9 into slot 5.
     pages_b = pages_a[: p // ps] + list(range(20, 20 + 13 - p // ps))

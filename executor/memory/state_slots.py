@@ -45,20 +45,12 @@ class StatePool:
         width = c.ngram_context if c.ple_layer_ids else 0
         eos = c.ple_eos_id if c.ple_layer_ids else 0
         self.ngram_context = torch.full((num_slots, width), eos, dtype=torch.long, device=device)
-        self._eos = eos
 
     def _tensors(self):
         yield from self.gdn_conv.values()
         yield from self.gdn_state.values()
         yield from self.ple_conv.values()
         yield self.ngram_context
-
-    def copy(self, src: int, dst: int) -> None:
-        """Make slot ``dst`` hold exactly slot ``src``'s state (checkpoint save or restore)."""
-        if src == dst:
-            return
-        for t in self._tensors():
-            t[dst].copy_(t[src])
 
     def copy_layer(self, layer: int, src: int, dst: int) -> None:
         """Copy only decoder layer ``layer``'s state (a layer-major prefill checkpoints layer by layer)."""
@@ -77,14 +69,6 @@ class StatePool:
         d_t = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
         for t in self._tensors():
             t[d_t] = t[s_t]
-
-    def reset(self, slot: int) -> None:
-        """The state at position 0."""
-        for t in self._tensors():
-            if t is self.ngram_context:
-                t[slot].fill_(self._eos)
-            else:
-                t[slot].zero_()
 
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self._tensors())
