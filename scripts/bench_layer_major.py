@@ -9,8 +9,8 @@ The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format ran
 served tokenizer; the first pair warms the long shapes and is not scored, the other two colds are.
 Each request streams ``temperature 0, max_tokens 128, ignore_eos``; first text is the first SSE
 event with non-empty text, timed from just before the HTTP request. Per arm: medians of first-text
-and full-response time and output tok/s, host-to-device expert bytes per scored cold request (from
-``/metrics``), and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in
+and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to its first
+text (``/metrics`` read when the first text arrives; a decode step or two may slip in), and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in
 this run. Token ids (from the tap) are compared across arms. Writes ``DIR/bench_layer_major.json``.
 """
 
@@ -73,7 +73,7 @@ def h2d_bandwidth(device: str) -> float:
     return size / statistics.median(times[1:])
 
 
-def stream(url: str, model: str, prompt: str, max_tokens: int) -> dict:
+def stream(url: str, model: str, prompt: str, max_tokens: int, on_first=None) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -94,6 +94,8 @@ def stream(url: str, model: str, prompt: str, max_tokens: int) -> dict:
                 finish = choice.get("finish_reason") or finish
                 if first is None and choice["text"]:
                     first = time.monotonic() - t0
+                    if on_first is not None:
+                        on_first()
     full = time.monotonic() - t0
     return {"rid": rid, "first_text_s": first, "full_s": full, "usage": usage, "finish_reason": finish, "done": done,
             "output_tok_per_s": (usage or {}).get("completion_tokens", 0) / full}
@@ -118,16 +120,19 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
     try:
         for name, prompt in prompts["sequence"]:
             before = expert_bytes(srv)
-            r = stream(srv.url, "bench", prompt, ns.max_tokens)
+            at_first: list[float] = []
+            r = stream(srv.url, "bench", prompt, ns.max_tokens, on_first=lambda: at_first.append(expert_bytes(srv)))
             admitted, token_ids, _ = tap.wait_finished(r["rid"])
             r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=token_ids,
+                     expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
                      cached_tokens=admitted["cached_tokens"], prompt_tokens=admitted["prompt_tokens"],
                      plan=admitted["plan"])
             ok = r["done"] and r["finish_reason"] == "length" and r["usage"]["completion_tokens"] == ns.max_tokens
             r["checks_ok"] = bool(ok)
             out["requests"].append(r)
             print(f"{arm:12s} {name:22s} first {r['first_text_s']:.3f} s full {r['full_s']:.3f} s "
-                  f"cached {r['cached_tokens']} mode {r['plan']['mode']} H2D {r['expert_bytes'] / 1e9:.2f} GB "
+                  f"cached {r['cached_tokens']} mode {r['plan']['mode']} H2D to first text "
+                  f"{(r['expert_bytes_to_first_text'] or 0) / 1e9:.2f} GB, in all {r['expert_bytes'] / 1e9:.2f} GB "
                   f"checks {'ok' if ok else 'FAILED'}", flush=True)
     finally:
         tap.close()
@@ -168,7 +173,7 @@ def main() -> None:
     for arm in arms:
         scored = [r for r in arm["requests"] if r["name"] in ("cold-1", "cold-2")]
         med = {k: statistics.median(r[k] for r in scored) for k in ("first_text_s", "full_s", "output_tok_per_s")}
-        moved = statistics.median(r["expert_bytes"] for r in scored)
+        moved = statistics.median(r["expert_bytes_to_first_text"] or 0 for r in scored)
         med.update(h2d_bytes=moved, pcie_floor_s=moved / bandwidth,
                    all_checks_ok=all(r["checks_ok"] for r in arm["requests"]))
         summary[arm["arm"]] = med
