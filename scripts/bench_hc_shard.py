@@ -2,7 +2,7 @@
 
     python scripts/bench_hc_shard.py --out DIR --tp 4 [--preset bench] [--lengths 8192,65536,131072]
         [--modes off,control,shard] [--coalesce both|on|off] [--repeats 2] [--decode-context 0,8192]
-        [--decode-arms off,shard+coalesce] [--agreement] [--device cuda|cpu]
+        [--decode-arms off,shard+coalesce] [--interleave] [--agreement] [--device cuda|cpu]
 
 For each arm (``--hc-prefill-mode`` x ``--prefill-coalesce``) a fresh ``tidal serve --tp N
 --load-format random``; per prompt length, ``--repeats`` cold prompts (distinct random ids, so
@@ -45,37 +45,69 @@ def arm_flags(mode: str, coalesce: bool, tp: int, longest: int) -> list[str]:
     return flags + (["--prefill-coalesce"] if coalesce else [])
 
 
-def run_arm(path: str, mode: str, coalesce: bool, ns) -> dict:
+def start_arm(path: str, mode: str, coalesce: bool, ns) -> Server:
     lengths = [int(x) for x in ns.lengths.split(",")]
     srv = Server(path, *arm_flags(mode, coalesce, ns.tp, max(lengths)), api_key=None, device=ns.device,
                  ready_timeout=1200)
-    out = {"mode": mode, "coalesce": coalesce, "prefill": {}, "decode": {}}
-    try:
-        stream_completion(srv.url, prompt(1024, 1), 4, model="bench")  # warm-up
-        for n in lengths:
-            stream_completion(srv.url, prompt(n, 2), 1, model="bench")  # first long shape: compile, autotune
-            rates = []
-            for r in range(ns.repeats):
-                first, full, usage, _ = stream_completion(srv.url, prompt(n, 100 + r), 1, model="bench")
-                assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-                rates.append(n / (first or full))  # a first token that decodes to no text: the response time
-            out["prefill"][n] = {"tok_per_s": statistics.mean(rates), "samples": rates}
-            print(f"{mode:8s} coalesce={coalesce!s:5s} prefill {n}: {statistics.mean(rates):.0f} tok/s", flush=True)
-        decode_arm = mode + ("+coalesce" if coalesce else "") in ns.decode_arms.split(",")
-        for context in [int(x) for x in ns.decode_context.split(",")] if decode_arm else []:
-            for conc in (1, 8):
-                prompts = [prompt(max(context, 16), 500 + i) for i in range(conc)]
-                t0 = time.monotonic()
-                with ThreadPoolExecutor(conc) as pool:
-                    results = list(pool.map(lambda p: stream_completion(srv.url, p, 256, model="bench"), prompts))
-                # decode rate: generated tokens over the span after the slowest first token
-                span = time.monotonic() - t0 - max(r[0] for r in results)
-                rate = conc * 255 / span
-                out["decode"][f"c{conc}_ctx{context}"] = rate
-                print(f"{mode:8s} coalesce={coalesce!s:5s} decode c{conc} ctx {context}: {rate:.1f} tok/s", flush=True)
-    finally:
-        out["left_after_stop"] = srv.stop()
+    stream_completion(srv.url, prompt(1024, 1), 4, model="bench")  # warm-up
+    return srv
+
+
+def prefill_rate(srv: Server, n: int, seed: int) -> float:
+    first, full, usage, _ = stream_completion(srv.url, prompt(n, seed), 1, model="bench")
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    return n / (first or full)  # a first token that decodes to no text: the response time
+
+
+def decode_rates(srv: Server, label: str, ns) -> dict:
+    out = {}
+    for context in [int(x) for x in ns.decode_context.split(",")]:
+        for conc in (1, 8):
+            prompts = [prompt(max(context, 16), 500 + i) for i in range(conc)]
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(conc) as pool:
+                results = list(pool.map(lambda p: stream_completion(srv.url, p, 256, model="bench"), prompts))
+            # decode rate: generated tokens over the span after the slowest first token
+            span = time.monotonic() - t0 - max(r[0] for r in results)
+            out[f"c{conc}_ctx{context}"] = conc * 255 / span
+            print(f"{label} decode c{conc} ctx {context}: {out[f'c{conc}_ctx{context}']:.1f} tok/s", flush=True)
     return out
+
+
+def run_arms(path: str, arms: list[tuple[str, bool]], ns, save) -> list[dict]:
+    """Sequential: one server at a time, all of its lengths. ``--interleave``: every arm's server up
+    at once and the prefill samples taken in turn (arm 1, arm 2, ..., arm 1, ...), so drift over the
+    run (clocks, host load) falls on every arm alike."""
+    lengths = [int(x) for x in ns.lengths.split(",")]
+    results: list[dict] = []
+    groups = [arms] if ns.interleave else [[a] for a in arms]
+    for group in groups:
+        servers, outs = [], []
+        try:
+            for mode, coalesce in group:
+                servers.append(start_arm(path, mode, coalesce, ns))
+                outs.append({"mode": mode, "coalesce": coalesce, "prefill": {}, "decode": {}})
+            for n in lengths:
+                for srv in servers:
+                    stream_completion(srv.url, prompt(n, 2), 1, model="bench")  # first long shape: autotune
+                samples: list[list[float]] = [[] for _ in servers]
+                for r in range(ns.repeats):
+                    for i, srv in enumerate(servers):
+                        samples[i].append(prefill_rate(srv, n, 100 + r))
+                for out, rates in zip(outs, samples):
+                    out["prefill"][n] = {"tok_per_s": statistics.mean(rates), "samples": rates}
+                    print(f"{out['mode']:8s} coalesce={out['coalesce']!s:5s} prefill {n}: "
+                          f"{statistics.mean(rates):.0f} tok/s", flush=True)
+            for out, srv in zip(outs, servers):
+                label = out["mode"] + ("+coalesce" if out["coalesce"] else "")
+                if label in ns.decode_arms.split(","):
+                    out["decode"] = decode_rates(srv, f"{label:16s}", ns)
+        finally:
+            for out, srv in zip(outs, servers):
+                out["left_after_stop"] = srv.stop()
+        results.extend(outs)
+        save(results)
+    return results
 
 
 def _score_rank(rank: int, size: int, port: int, path: str, device: str, flags: dict, tokens: list[int],
@@ -141,6 +173,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-context", default="0,8192")
     ap.add_argument("--decode-arms", default="off,shard+coalesce")
+    ap.add_argument("--interleave", action="store_true", help="all arms' servers at once, samples in turn")
     ap.add_argument("--agreement", action="store_true")
     ap.add_argument("--agreement-length", type=int, default=8192)
     ap.add_argument("--device", default="cuda")
@@ -149,17 +182,15 @@ def main() -> None:
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
     coalesce = {"both": [False, True], "on": [True], "off": [False]}[ns.coalesce]
-    arms: list[dict] = []
-    result = {"tp": ns.tp, "preset": ns.preset, "arms": arms}
+    result = {"tp": ns.tp, "preset": ns.preset, "arms": []}
 
-    def save() -> None:  # after every arm, so a run cut short keeps what it measured
+    def save(arms: list[dict] | None = None) -> None:  # after every arm, so a run cut short keeps its figures
+        if arms is not None:
+            result["arms"] = arms
         with open(os.path.join(ns.out, "bench_hc_shard.json"), "w") as f:
             json.dump(result, f, indent=1)
 
-    for m in ns.modes.split(","):
-        for c in coalesce:
-            arms.append(run_arm(path, m, c, ns))
-            save()
+    arms = run_arms(path, [(m, c) for m in ns.modes.split(",") for c in coalesce], ns, save)
     if ns.agreement:
         result["agreement_shard_coalesce_vs_off"] = agreement(path, ns.tp, ns.device, ns.agreement_length,
                                                               "shard", True)

@@ -9,9 +9,10 @@ The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format ran
 served tokenizer; the first pair warms the long shapes and is not scored, the other two colds are.
 Each request streams ``temperature 0, max_tokens 128, ignore_eos``; first text is the first SSE
 event with non-empty text, timed from just before the HTTP request. Per arm: medians of first-text
-and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to its first
-text (``/metrics`` read when the first text arrives; a decode step or two may slip in), and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in
-this run. Token ids (from the tap) are compared across arms. Writes ``DIR/bench_layer_major.json``.
+and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to
+its first text (``/metrics`` read when the first text arrives; a decode step or two may slip in),
+and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in this run.
+Token ids (from the tap) are compared across arms. Writes ``DIR/bench_layer_major.json``.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
         for name, prompt in prompts["sequence"]:
             before = expert_bytes(srv)
             at_first: list[float] = []
-            r = stream(srv.url, "bench", prompt, ns.max_tokens, on_first=lambda: at_first.append(expert_bytes(srv)))
+            r = stream(srv.url, "bench", prompt, ns.max_tokens,
+                       on_first=lambda seen=at_first: seen.append(expert_bytes(srv)))
             admitted, token_ids, _ = tap.wait_finished(r["rid"])
             r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=token_ids,
                      expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
