@@ -94,6 +94,8 @@ def run_arms(path: str, arms: list[tuple[str, bool]], ns, save) -> list[dict]:
                 for r in range(ns.repeats):
                     for i, srv in enumerate(servers):
                         samples[i].append(prefill_rate(srv, n, 100 + r))
+                        print(f"  {outs[i]['mode']} coalesce={outs[i]['coalesce']} {n}: {samples[i][-1]:.0f} tok/s",
+                              flush=True)
                 for out, rates in zip(outs, samples):
                     out["prefill"][n] = {"tok_per_s": statistics.mean(rates), "samples": rates}
                     print(f"{out['mode']:8s} coalesce={out['coalesce']!s:5s} prefill {n}: "
