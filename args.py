@@ -62,6 +62,10 @@ class ServerArgs:
     frontend_addr: str | None = None
     control_addr: str | None = None
     log_level: str = "info"
+    # Failure handling and shutdown.
+    restart_on_failure: bool = False
+    shutdown_timeout: float = 30.0
+    executor_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, flag: str, msg: str) -> None:
@@ -123,6 +127,10 @@ class ServerArgs:
              "disk reads the table from the checkpoint's safetensors files; --load-format random has none")
         need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
              f"must be >= 1, got {self.layer_major_max_tokens}")
+        need(not (self.restart_on_failure and self.nnodes > 1), "restart_on_failure",
+             "restarts the processes of one host; with --nnodes > 1 restart every host instead")
+        need(self.shutdown_timeout >= 0, "shutdown_timeout", f"must be >= 0 seconds, got {self.shutdown_timeout}")
+        need(self.executor_timeout > 0, "executor_timeout", f"must be > 0 seconds, got {self.executor_timeout}")
         need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
              f"must be debug, info, warning or error, got {self.log_level!r}")
 
@@ -225,6 +233,14 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name}-addr", default=None,
                        help=f"ZeroMQ address the {name} binds (ipc:// or tcp://; default: the run directory){extra}")
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--restart-on-failure", action="store_true",
+                   help="when a process of the mesh dies or an executor fails for good, fail the requests in "
+                        "flight and restart the mesh (default: exit non-zero)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="seconds SIGTERM waits for requests in flight to finish (new ones get 503) before "
+                        "aborting them and exiting")
+    p.add_argument("--executor-timeout", type=float, default=d.executor_timeout,
+                   help="seconds a batch may run before the executor counts as hung and the mesh as failed")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
 
 

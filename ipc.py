@@ -44,8 +44,9 @@ class Push(Generic[T]):
     def send(self, msg: T) -> None:
         self.sock.send(encode(msg), copy=False)
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; ``linger_ms`` waits that long for queued messages to leave (e.g. before exiting)."""
+        self.sock.close(linger_ms)
 
 
 class Pull(Generic[T]):

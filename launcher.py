@@ -2,8 +2,14 @@
 
 Each role runs as its own process (``python -m tidal.roles ROLE``), named ``tidal-<role>`` for
 ``ps``. They talk over ZeroMQ: ``ipc://`` sockets in a private (0700) run directory unless
-``tcp://`` addresses are given. ``serve`` returns once any process dies or SIGINT/SIGTERM arrives,
-after every child is gone and the run directory is removed.
+``tcp://`` addresses are given.
+
+A failing mesh (a process died, an executor reported an unusable device, or the scheduler found
+it hung) first makes the frontend answer every request in flight with an error and ``/health``
+503; then ``serve`` exits 1, or with ``--restart-on-failure`` restarts the other processes (and
+the frontend, if it was the one that died) and serves again. SIGINT/SIGTERM drain: new requests
+get 503, those in flight may finish within ``--shutdown-timeout``, the rest are aborted, and
+``serve`` exits 0. Either way it returns after every child is gone and the run directory is removed.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ logger = logging.getLogger(__name__)
 DEMO_PRESET = "small"
 DEMO_VERSION = 1
 READY_TIMEOUT = 1800.0
+FAIL_GRACE = 1.0  # seconds the frontend gets to send its error answers before processes are stopped
 Role = tuple[str, int | None]
 
 
@@ -86,7 +93,6 @@ class Mesh:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args, self.model_path = args, model_path
         self.procs: dict[str, subprocess.Popen] = {}
-        self._stop = False
 
     def roles(self) -> list[Role]:
         """This host's processes: its executors, and on host 0 the frontend, scheduler and detokenizer."""
@@ -100,24 +106,28 @@ class Mesh:
         names = {f"executor-{r}" for r in range(self.args.tp)}
         return names | {"detokenizer", "scheduler", "frontend"}
 
-    def start(self) -> None:
+    def start(self, keep: frozenset[str] = frozenset()) -> None:
+        """Start every role of this host except those named in ``keep`` (left running)."""
         env = dict(os.environ)
         env["TIDAL_SERVER_ARGS"] = self.args.to_json().decode()
         env["TIDAL_MODEL_PATH"] = self.model_path
         for role, rank in self.roles():
             name = role if rank is None else f"{role}-{rank}"
+            if name in keep:
+                continue
             cmd = [sys.executable, "-m", "tidal.roles", role] + ([str(rank)] if rank is not None else [])
             self.procs[name] = subprocess.Popen(cmd, env=env)
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
-    def stop(self, timeout: float = 10.0) -> None:
-        for p in self.procs.values():
+    def stop(self, timeout: float = 10.0, keep: frozenset[str] = frozenset()) -> None:
+        procs = [p for n, p in self.procs.items() if n not in keep]
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.procs.values():
+        for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -165,6 +175,54 @@ def supervise_executors(mesh: "Mesh", stopping: dict) -> int:
     return 0
 
 
+def wait_ready(mesh: Mesh, control: Pull, stopping: dict, waiting: set[str]) -> bool:
+    """Until every process in ``waiting`` reports ready; False if one dies, time runs out or a signal
+    arrives first."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    while waiting and stopping["signal"] is None:
+        dead = mesh.dead()
+        if dead:
+            logger.error("%s exited (code %s) during start-up", *dead[0])
+            return False
+        if time.monotonic() > deadline:
+            logger.error("processes not ready after %.0f s: %s", READY_TIMEOUT, sorted(waiting))
+            return False
+        msg = control.recv(timeout_ms=200)
+        if isinstance(msg, Ready):
+            waiting.discard(msg.role)
+            if msg.info:
+                logger.info("%s ready: %s", msg.role, msg.info)
+    return stopping["signal"] is None
+
+
+def watch(mesh: Mesh, control: Pull, stopping: dict) -> str | None:
+    """While serving: the reason the mesh failed, or ``None`` once a signal arrives."""
+    while stopping["signal"] is None:
+        dead = mesh.dead()
+        if dead:
+            return "{} exited (code {})".format(*dead[0])
+        msg = control.recv(timeout_ms=200)
+        if isinstance(msg, ExecutorFailed):
+            who = "the scheduler's watchdog" if msg.rank < 0 else f"executor {msg.rank}"
+            return f"{who}: {msg.error}"
+    return None
+
+
+def drain(mesh: Mesh, control: Pull, to_frontend: Push, stopping: dict, timeout: float) -> None:
+    """Let the frontend finish (or, at ``timeout``, abort) the requests in flight; a second signal or a
+    dead frontend ends the wait at once."""
+    first = stopping["count"]
+    to_frontend.send(Shutdown(reason="shutting down", drain=True, timeout=timeout))
+    deadline = time.monotonic() + timeout + 5.0
+    while time.monotonic() < deadline and stopping["count"] == first:
+        if mesh.procs["frontend"].poll() is not None:
+            return
+        msg = control.recv(timeout_ms=100)
+        if isinstance(msg, Ready) and msg.role == "frontend-drained":
+            return
+    logger.warning("the frontend did not finish draining; stopping")
+
+
 def serve(args: ServerArgs) -> int:
     from .ipc import set_process_name, setup_logging
 
@@ -199,54 +257,44 @@ def serve(args: ServerArgs) -> int:
     ctx = zmq.Context()
     control: Pull = Pull(ctx, args.control_addr, Ready | ExecutorFailed, bind=True)
     mesh = Mesh(args, model_path)
-    stopping = {"signal": None}
+    stopping = {"signal": None, "count": 0}
 
     def on_signal(signum, frame):
         stopping["signal"] = signum
+        stopping["count"] += 1
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
     try:
         mesh.start()
         if args.node_rank > 0:  # executors only: host 0 coordinates; supervise them until a signal
             return supervise_executors(mesh, stopping)
-        waiting = mesh.awaited()
-        deadline = time.monotonic() + READY_TIMEOUT
-        while waiting and stopping["signal"] is None:
-            if mesh.dead():
-                name, rc = mesh.dead()[0]
-                logger.error("%s exited (code %s) during start-up", name, rc)
-                return 1
-            if time.monotonic() > deadline:
-                logger.error("processes not ready after %.0f s: %s", READY_TIMEOUT, sorted(waiting))
-                return 1
-            msg = control.recv(timeout_ms=200)
-            if isinstance(msg, Ready):
-                waiting.discard(msg.role)
-                if msg.info:
-                    logger.info("%s ready: %s", msg.role, msg.info)
-        if stopping["signal"] is not None:
-            return 0
+        if not wait_ready(mesh, control, stopping, mesh.awaited()):
+            return 0 if stopping["signal"] is not None else 1
         to_frontend: Push[FrontendInbound] = Push(ctx, args.frontend_addr)
-        to_frontend.send(Ready(role="mesh"))
-        logger.info("serving %s at http://%s:%d (tap: %s)", args.model_name, args.host, args.port, args.tap_addr)
-        while stopping["signal"] is None:
-            dead = mesh.dead()
-            if dead:
-                name, rc = dead[0]
-                logger.error("%s exited (code %s); shutting down", name, rc)
-                try:
-                    to_frontend.send(Shutdown(reason=f"{name} exited"))
-                except zmq.ZMQError:
-                    pass
-                code = 1
-                break
-            msg = control.recv(timeout_ms=200)
-            if isinstance(msg, ExecutorFailed):
-                logger.error("executor %d failed: %s", msg.rank, msg.error)
-        if stopping["signal"] is not None:
-            logger.info("received %s; shutting down", signal.Signals(stopping["signal"]).name)
-        return code
+        while True:
+            to_frontend.send(Ready(role="mesh"))
+            logger.info("serving %s at http://%s:%d (tap: %s)", args.model_name, args.host, args.port,
+                        args.tap_addr)
+            failure = watch(mesh, control, stopping)
+            if failure is None:  # a signal: drain
+                logger.info("received %s; draining (up to %.0f s)", signal.Signals(stopping["signal"]).name,
+                            args.shutdown_timeout)
+                drain(mesh, control, to_frontend, stopping, args.shutdown_timeout)
+                return 0
+            logger.error("%s", failure)
+            to_frontend.send(Shutdown(reason=failure))  # requests in flight get an error, /health 503
+            time.sleep(FAIL_GRACE)
+            if not args.restart_on_failure:
+                logger.error("exiting (--restart-on-failure restarts the mesh instead)")
+                return 1
+            keep = frozenset({"frontend"}) if mesh.procs["frontend"].poll() is None else frozenset()
+            logger.info("restarting %s", sorted(n for n in mesh.procs if n not in keep))
+            mesh.stop(keep=keep)
+            while control.recv(timeout_ms=0) is not None:  # what the old processes said last
+                pass
+            mesh.start(keep=keep)
+            if not wait_ready(mesh, control, stopping, mesh.awaited() - keep):
+                return 0 if stopping["signal"] is not None else 1
     finally:
         mesh.stop()
         ctx.destroy(0)

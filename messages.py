@@ -180,7 +180,13 @@ class Ready(Struct, tag="Ready", omit_defaults=True):
 
 
 class Shutdown(Struct, tag="Shutdown"):
+    """To a role: stop. To the frontend: the mesh is failing (answer every request in flight with
+    ``reason`` as an error, 503 meanwhile) or, with ``drain``, shutting down (503 for new requests,
+    let the ones in flight finish within ``timeout`` seconds, then report ``Ready("frontend-drained")``)."""
+
     reason: str = ""
+    drain: bool = False
+    timeout: float = 0.0
 
 
 class ExecutorFailed(Struct, tag="ExecutorFailed"):
@@ -195,7 +201,7 @@ class HealthPing(Struct, tag="HealthPing"):
 SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown | Ready
 ExecutorInbound = Batch | Shutdown
 DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | StepOutput | SchedulerStats | Shutdown
-FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | Ready | ExecutorFailed | Shutdown
+FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | Ready | Shutdown
 TapMessage = PromptAdmitted | Detokenize
 
 _encoder = msgspec.msgpack.Encoder()

@@ -14,13 +14,31 @@ import zmq
 
 from ..args import ServerArgs
 from ..config import ModelConfig
+from ..faults import check, fault
 from ..ipc import Pull, Push
-from ..messages import Batch, BatchResult, ExecutorInbound, Ready
+from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready
 from ..sizing import pool_sizes
 from .distributed import init_tp
 from .runner import build_runner
 
 logger = logging.getLogger(__name__)
+
+
+class DeviceLost(RuntimeError):
+    """The device cannot run anything any more."""
+
+
+def device_usable(device: torch.device) -> bool:
+    """After a failed batch: whether the device still runs work (a CUDA error such as an illegal
+    address is sticky: every later call fails with it)."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.ones(1, device=device).add_(1).item()
+    except Exception:  # the error type depends on the failure; any of them means the device is gone
+        return False
+    return True
 
 
 def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
@@ -61,13 +79,27 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     for msg in inbound.until_shutdown():
         assert isinstance(msg, Batch)
         try:
+            check("executor.error")
+            check("executor.hang")
+            if fault("executor.fatal"):
+                raise DeviceLost("injected fault at executor.fatal")
             out = runner.execute(msg)
             result = BatchResult(batch_id=msg.batch_id, token_ids=out.token_ids,
                                  executor_stats=runner.stats())
         except Exception as e:  # a failed batch fails its requests, not the process
             logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())
             where = f"rank {rank}: " if args.tp > 1 else ""
-            result = BatchResult(batch_id=msg.batch_id, token_ids=[-1] * len(msg.segments),
-                                 error=f"{where}{type(e).__name__}: {e}")
+            error = f"{where}{type(e).__name__}: {e}"
+            if isinstance(e, DeviceLost) or not device_usable(runner.device):
+                # A sticky device error fails every later batch too: say so and leave, so the
+                # launcher restarts the mesh or exits instead of serving errors behind a healthy /health.
+                failed = ExecutorFailed(rank=rank, error=error)
+                results.send(failed)
+                control.send(failed)
+                logger.error("rank %d: the device is unusable; exiting", rank)
+                results.close(linger_ms=2000)
+                control.close(linger_ms=2000)
+                raise SystemExit(1) from e
+            result = BatchResult(batch_id=msg.batch_id, token_ids=[-1] * len(msg.segments), error=error)
         if rank == 0 or result.error is not None:  # any rank's error fails the batch, with its message
             results.send(result)

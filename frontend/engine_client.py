@@ -10,7 +10,6 @@ import zmq.asyncio
 from ..ipc import AsyncPull, AsyncPush
 from ..messages import (
     AbortReq,
-    ExecutorFailed,
     FrontendInbound,
     GenerateReq,
     Ready,
@@ -32,6 +31,7 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue] = {}
         self.ready = False
         self.failure: str | None = None
+        self.on_drained = None  # called once a drain is over
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -47,11 +47,43 @@ class EngineClient:
             elif isinstance(msg, SchedulerStats):
                 self.metrics.stats = msg
             elif isinstance(msg, Ready) and msg.role == "mesh":
-                self.ready = True
+                if self.failure is not None:
+                    logger.info("the mesh restarted; serving again")
+                self.ready, self.failure = True, None
                 logger.info("all processes are ready")
-            elif isinstance(msg, (ExecutorFailed, Shutdown)):
+            elif isinstance(msg, Shutdown):
                 self.ready = False
-                self.failure = getattr(msg, "error", None) or getattr(msg, "reason", "shutting down")
+                self.failure = msg.reason or "shutting down"
+                if msg.drain:
+                    asyncio.get_running_loop().create_task(self._drain(msg.timeout))
+                else:
+                    logger.error("the mesh failed (%s): failing %d requests in flight", self.failure,
+                                 len(self.queues))
+                    self.fail_in_flight(f"the server failed: {self.failure}", 500)
+
+    def fail_in_flight(self, error: str, status: int) -> None:
+        """End every request this frontend waits on with ``error`` (its handler answers the client)."""
+        for rid, queue in list(self.queues.items()):
+            queue.put_nowait(TextDelta(rid=rid, text="", token_ids=[], finished=True, finish_reason="error",
+                                       error=error, error_status=status))
+
+    async def _drain(self, timeout: float) -> None:
+        """SIGTERM: new requests already get 503; wait for the ones in flight, abort what is left at
+        the deadline, then tell the launcher."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        logger.info("draining: %d requests in flight, up to %.0f s", len(self.queues), timeout)
+        while self.queues and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.queues)
+        if left:
+            logger.warning("--shutdown-timeout reached: aborting %d requests", len(left))
+            self.fail_in_flight("the server is shutting down (--shutdown-timeout reached)", 503)
+            for rid in left:
+                await self.to_scheduler.send(AbortReq(rid=rid, reason="abort"))
+            await asyncio.sleep(0.2)  # let the handlers write their answers
+        if self.on_drained is not None:
+            self.on_drained()
 
     async def submit(self, req: GenerateReq) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()

@@ -126,7 +126,9 @@ class Frontend:
     # ---- generation -------------------------------------------------------------------------
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if not self.client.ready:
-            raise APIError(503, "the server is not ready", type_="service_unavailable")
+            reason = self.client.failure or "starting"
+            raise APIError(503, f"the server is not ready ({reason}); retry shortly", type_="service_unavailable",
+                           retry_after=1)
         arrival = time.monotonic()  # time to first token counts tokenization too
         capacity = self.args.max_running_requests + self.args.max_queued_requests
         if len(self.client.queues) >= capacity:
@@ -177,6 +179,9 @@ class Frontend:
     def _failure(delta: TextDelta) -> APIError:
         if delta.error_status == 400:
             return APIError(400, delta.error or "the request cannot be served")
+        if delta.error_status == 503:
+            return APIError(503, delta.error or "the server is shutting down", type_="service_unavailable",
+                            retry_after=1)
         return APIError(500, delta.error or "the request failed", type_="server_error")
 
     def _remember(self, parsed: ParsedRequest, text: str, ids: list[int], reason: str | None) -> None:
@@ -244,6 +249,7 @@ async def serve_frontend(args: ServerArgs, model_path: str) -> None:
     await site.start()
     ctx = zmq.Context()
     control = Push(ctx, args.control_addr)
+    frontend.client.on_drained = lambda: control.send(Ready(role="frontend-drained"))
     control.send(Ready(role="frontend", info={"url": f"http://{args.host}:{args.port}"}))
     logger.info("listening on http://%s:%d", args.host, args.port)
     await asyncio.Event().wait()

@@ -9,6 +9,7 @@ import zmq
 
 from ..args import ServerArgs
 from ..config import ModelConfig
+from ..faults import check
 from ..ipc import Pull, Push
 from ..messages import (
     AbortReq,
@@ -46,6 +47,8 @@ class SchedulerLoop:
         self._out: list = []
         self.scheduler = Scheduler(args, config, self.sizes, self._out.append)
         self.in_flight: Batch | None = None
+        self.in_flight_since = 0.0
+        self.failed = False  # an executor failed for good: the launcher restarts the mesh or exits
         self._last_stats = None
         self._last_stats_time = 0.0
         self.running = True
@@ -72,16 +75,29 @@ class SchedulerLoop:
                 logger.error("executor failed batch %d: %s", msg.batch_id, msg.error)
                 self.scheduler.fail_batch(batch, msg.error)
             else:
+                check("scheduler.result")
                 self.scheduler.process_result(batch, msg.token_ids)
         elif isinstance(msg, ExecutorFailed):
             logger.error("executor %d failed: %s", msg.rank, msg.error)
-            if self.in_flight is not None:
-                self.scheduler.fail_batch(self.in_flight, msg.error)
-                self.in_flight = None
+            self._executor_gone(f"the executor failed: {msg.error}")
         elif isinstance(msg, Shutdown):
             self.running = False
 
+    def _executor_gone(self, error: str) -> None:
+        """No batch can run any more: every request ends with ``error`` and nothing new is scheduled
+        (the launcher restarts the mesh or exits)."""
+        self.failed = True
+        self.in_flight = None
+        self.scheduler.fail_all(error)
+
     def step(self) -> None:
+        if (self.in_flight is not None and not self.failed
+                and time.monotonic() - self.in_flight_since > self.args.executor_timeout):
+            error = (f"batch {self.in_flight.batch_id} got no result within --executor-timeout "
+                     f"{self.args.executor_timeout:g} s; the executor counts as hung")
+            logger.error("%s", error)
+            self.control.send(ExecutorFailed(rank=-1, error=error))
+            self._executor_gone(error)
         busy = self.scheduler.has_work()
         timeout = 0 if (busy and self.in_flight is None) else 100
         first = self.inbound.recv(timeout_ms=timeout)
@@ -90,7 +106,9 @@ class SchedulerLoop:
                 self.handle(msg)
             except Exception:
                 self._recover(f"handling {type(msg).__name__}")
-        if self.in_flight is None:
+        if self.failed and self.scheduler.has_work():  # requests that arrived after the failure
+            self.scheduler.fail_all("the executor failed; the server is restarting or shutting down")
+        if self.in_flight is None and not self.failed:
             try:
                 batch = self.scheduler.schedule()
             except Exception:
@@ -98,6 +116,7 @@ class SchedulerLoop:
                 batch = None
             if batch is not None:
                 self.in_flight = batch
+                self.in_flight_since = time.monotonic()
                 for sock in self.to_executors:
                     sock.send(batch)
         if self._out:

@@ -47,7 +47,7 @@ def cmdline(pid: int) -> str:
 
 class Server:
     def __init__(self, model: str, *flags: str, api_key: str | None = API_KEY, device: str = "cpu",
-                 ready_timeout: float = 120.0):
+                 ready_timeout: float = 120.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="tidal-test-")
         self.tap_addr = f"ipc://{self.dir}/tap"
@@ -58,7 +58,8 @@ class Server:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = open(os.path.join(self.dir, "serve.log"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=None if env is None else {**os.environ, **env})
         self.url = f"http://127.0.0.1:{self.port}"
         self.wait_ready(ready_timeout)
 

@@ -1,0 +1,221 @@
+"""Faults and shutdown: injected exceptions (``TIDAL_FAULTS``), killed processes, a hung executor,
+SIGTERM drain. In every case the clients get an answer within seconds, nothing hangs, no process
+is orphaned and no page or slot leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from server_harness import Server, child_pids, cmdline
+
+LONG = 4000  # output tokens: a request still decoding when the fault hits
+
+
+def stream_events(srv: Server, max_tokens: int, first: threading.Event | None = None,
+                  prompt=(1, 2, 3, 4, 5)) -> dict:
+    """One streamed completion; every SSE payload, the HTTP status and the error body, if any."""
+    body = json.dumps({"model": "tiny", "prompt": list(prompt), "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()
+    req = urllib.request.Request(srv.url + "/v1/completions", data=body, headers=srv.headers())
+    out = {"events": [], "status": None, "error": None}
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out["status"] = r.status
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    out["events"].append(line[6:])
+                    if first is not None and line != "data: [DONE]":
+                        first.set()
+    except urllib.error.HTTPError as e:
+        out["status"], out["error"] = e.code, json.loads(e.read())
+    finally:
+        if first is not None:
+            first.set()
+    return out
+
+
+def in_background(fn, *args):
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(fn(*args)), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def health(srv: Server) -> int | None:
+    try:
+        with urllib.request.urlopen(srv.url + "/health", timeout=1) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def role_pid(srv: Server, name: str) -> int:
+    (pid,) = [p for p in child_pids(srv.proc.pid) if cmdline(p) == f"tidal-{name}"]
+    return pid
+
+
+def assert_stream_failed(result: dict) -> None:
+    """Either an error status with the OpenAI error body, or an SSE error event and then [DONE]."""
+    if result["status"] != 200:
+        assert result["status"] in (500, 503) and result["error"]["error"]["message"], result
+        return
+    events = result["events"]
+    assert events[-1] == "[DONE]", events[-3:]
+    assert "error" in json.loads(events[-2]), events[-3:]
+
+
+def ok_completion(srv: Server, max_tokens: int = 4) -> dict:
+    status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [7, 8, 9], "max_tokens": max_tokens,
+                                                "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == max_tokens
+    return body
+
+
+def test_executor_exception_fails_that_batch_only(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, env={"TIDAL_FAULTS": "executor.error@3"})
+    try:
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8,
+                                                    "ignore_eos": True})
+        assert status == 500
+        assert "injected fault at executor.error" in body["error"]["message"]
+        assert body["error"]["type"] == "server_error"
+        assert health(srv) == 200
+        ok_completion(srv)
+        assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
+    finally:
+        assert srv.stop() == []
+
+
+def test_scheduler_exception_in_result_handling_recovers(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, env={"TIDAL_FAULTS": "scheduler.result@2"})
+    try:
+        result = stream_events(srv, 8)
+        assert_stream_failed(result)
+        assert health(srv) == 200
+        ok_completion(srv)
+        idle = srv.wait_idle()
+        assert idle["tidal_kv_pages_in_use"] == 0 and idle["tidal_state_slots_in_use"] == 0
+    finally:
+        assert srv.stop() == []
+
+
+def test_unusable_device_fails_requests_turns_health_503_and_exits_nonzero(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, env={"TIDAL_FAULTS": "executor.fatal@5"})
+    children = child_pids(srv.proc.pid)
+    t0 = time.monotonic()
+    result = stream_events(srv, LONG)
+    assert_stream_failed(result)
+    assert "injected fault at executor.fatal" in json.dumps(result)
+    assert time.monotonic() - t0 < 10
+    statuses = set()
+    while srv.proc.poll() is None and time.monotonic() - t0 < 20:
+        statuses.add(health(srv))
+        time.sleep(0.05)
+    assert srv.proc.returncode == 1
+    assert 503 in statuses  # while the mesh was failing, before the exit
+    time.sleep(0.5)
+    assert [p for p in children if os.path.exists(f"/proc/{p}") and "tidal" in cmdline(p)] == []
+    assert "the device is unusable" in srv.logs()
+    srv.stop()
+
+
+def test_hung_executor_is_noticed(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--executor-timeout", "2", env={"TIDAL_FAULTS": "executor.hang@3"})
+    t0 = time.monotonic()
+    status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 8,
+                                                "ignore_eos": True})
+    assert status == 500 and "--executor-timeout" in body["error"]["message"]
+    assert time.monotonic() - t0 < 8
+    srv.proc.wait(20)
+    assert srv.proc.returncode == 1
+    assert srv.stop() == []
+
+
+@pytest.mark.parametrize("victim", ["executor-0", "detokenizer", "scheduler"])
+def test_killed_process_fails_requests_and_mesh_restarts(tiny_checkpoint, victim):
+    srv = Server(tiny_checkpoint, "--restart-on-failure")
+    try:
+        first = threading.Event()
+        thread, result = in_background(stream_events, srv, LONG, first)
+        assert first.wait(30)
+        os.kill(role_pid(srv, victim), signal.SIGKILL)
+        thread.join(15)
+        assert not thread.is_alive()
+        assert_stream_failed(result)
+        assert victim.split("-")[0] in json.dumps(result)  # the error names what died
+        srv.wait_ready(60)  # /health 200 again once the mesh is back
+        ok_completion(srv)
+        idle = srv.wait_idle()
+        assert idle["tidal_kv_pages_in_use"] == 0 and idle["tidal_state_slots_in_use"] == 0
+        names = sorted(cmdline(p) for p in child_pids(srv.proc.pid))
+        assert names == ["tidal-detokenizer", "tidal-executor-0", "tidal-frontend", "tidal-scheduler"]
+    finally:
+        assert srv.stop() == []
+    assert srv.proc.returncode == 0
+
+
+def test_killed_process_without_restart_exits_nonzero(tiny_checkpoint):
+    srv = Server(tiny_checkpoint)
+    children = child_pids(srv.proc.pid)
+    first = threading.Event()
+    thread, result = in_background(stream_events, srv, LONG, first)
+    assert first.wait(30)
+    os.kill(role_pid(srv, "detokenizer"), signal.SIGKILL)
+    thread.join(15)
+    assert not thread.is_alive()
+    # The detokenizer carried the text: the client sees the stream end with an error, or cut off.
+    assert result["events"] == [] or result["events"][-1] == "[DONE]" or result["status"] is not None
+    srv.proc.wait(20)
+    assert srv.proc.returncode == 1
+    time.sleep(0.5)
+    assert [p for p in children if os.path.exists(f"/proc/{p}") and "tidal" in cmdline(p)] == []
+    srv.stop()
+
+
+def test_sigterm_drains_requests_in_flight(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--shutdown-timeout", "30")
+    first = threading.Event()
+    thread, result = in_background(stream_events, srv, 64, first)
+    assert first.wait(30)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:  # new requests are refused while draining
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": 2})
+        assert status == 503 and "shutting down" in body["error"]["message"]
+    except OSError:  # or the drain already ended and the port is closed
+        pass
+    thread.join(30)
+    assert result["status"] == 200
+    chunks = [json.loads(e) for e in result["events"][:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # it ran to its end
+    srv.proc.wait(20)
+    assert srv.proc.returncode == 0
+    assert srv.stop() == []
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--shutdown-timeout", "1")
+    first = threading.Event()
+    thread, result = in_background(stream_events, srv, LONG, first)
+    assert first.wait(30)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    thread.join(15)
+    assert not thread.is_alive()
+    assert_stream_failed(result)
+    assert "shutting down" in json.dumps(result)
+    srv.proc.wait(20)
+    assert time.monotonic() - t0 < 10
+    assert srv.proc.returncode == 0
+    assert srv.stop() == []
