@@ -73,34 +73,82 @@ class Tokenizer:
         data = b"".join(self.token_bytes(i) for i in ids if not (skip_special and self.is_special(i)))
         return data.decode("utf-8", errors="replace")
 
+    def special_strings(self) -> list[str]:
+        """The strings that encode to control tokens in template text."""
+        raise NotImplementedError
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             encode_content=None, **kwargs) -> list[int]:
-        """Render ``messages`` and encode; message contents are encoded as plain text.
+        """Render ``messages`` with their real content and encode the result.
+
+        The template's own special-token strings become control tokens; the same strings typed
+        inside a message's content stay plain text. To tell them apart, each special string that
+        occurs in some content is replaced there by a private sentinel for rendering, as long as the
+        template renders the same with it (a template that reacts to a special string in content,
+        e.g. splitting reasoning on ``</think>``, sees that string as it is). Text between control
+        tokens is encoded as plain text with the sentinels restored.
 
         ``encode_content(message)`` may return the ids to use for a message's content (the server
         passes back the exact ids it generated for an earlier answer, so a follow-up turn matches
-        the prefix cache token for token); ``None`` falls back to plain-text encoding.
+        the prefix cache token for token); they are used where that content appears verbatim.
         """
-        template = self.chat_template or CHATML_TEMPLATE
-        markers = []
-        rendered_messages = []
-        for i, m in enumerate(messages):
-            marker = f"\x00tidal-content-{i}\x00"
-            markers.append((marker, m))
-            rendered_messages.append({**m, "content": marker})
-        text = _compile(template).render(messages=rendered_messages, add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+        template = _compile(self.chat_template or CHATML_TEMPLATE)
+
+        def render(replace: dict[str, str]) -> str:
+            def swap(value):
+                if isinstance(value, str):
+                    for old, new in replace.items():
+                        value = value.replace(old, new)
+                    return value
+                if isinstance(value, list):
+                    return [swap(v) for v in value]
+                if isinstance(value, dict):
+                    return {k: swap(v) for k, v in value.items()}
+                return value
+
+            shown = [{**m, "content": swap(m.get("content"))} for m in messages] if replace else messages
+            return template.render(messages=shown, add_generation_prompt=add_generation_prompt, **kwargs)
+
+        contents = json.dumps([m.get("content") for m in messages], ensure_ascii=False)
+        typed = [sp for sp in self.special_strings() if sp and sp in contents]
+        plain_text = render({})
+        sentinels: dict[str, str] = {}
+        for i, sp in enumerate(typed):
+            sentinel = f"\ue000{i}\ue001"
+            trial = render({sp: sentinel})
+            if trial.replace(sentinel, sp) == plain_text:  # the template does not react to it
+                sentinels[sp] = sentinel
+        text = render(sentinels) if sentinels else plain_text
+        restore = {v: k for k, v in sentinels.items()}
+
+        def plain(piece: str) -> list[int]:
+            for sentinel, sp in restore.items():
+                piece = piece.replace(sentinel, sp)
+            return self.encode(piece)
+
+        def encode(piece: str) -> list[int]:
+            ids: list[int] = []
+            for part, is_special in _split_specials(piece, self.special_strings()):
+                ids += self.encode_with_special(part) if is_special else plain(part)
+            return ids
+
+        # Exact ids of earlier answers, where their content appears verbatim (in order).
         ids: list[int] = []
         pos = 0
-        pieces = sorted(((text.find(mk), i, mk) for i, (mk, _) in enumerate(markers) if mk in text))
-        for at, i, marker in pieces:
-            message = markers[i][1]
-            ids += self.encode_with_special(text[pos:at])
-            known = encode_content(message) if encode_content else None
-            ids += known if known is not None else self.encode(message.get("content") or "")
-            pos = at + len(marker)
-        ids += self.encode_with_special(text[pos:])
-        return ids
+        for m in messages:
+            known = encode_content(m) if encode_content else None
+            content = m.get("content")
+            if known is None or not isinstance(content, str) or not content:
+                continue
+            shown = content
+            for sp, sentinel in sentinels.items():
+                shown = shown.replace(sp, sentinel)
+            at = text.find(shown, pos)
+            if at < 0:
+                continue
+            ids += encode(text[pos:at]) + list(known)
+            pos = at + len(shown)
+        return ids + encode(text[pos:])
 
 
 @lru_cache(maxsize=8)
@@ -143,6 +191,9 @@ class TiktokenTokenizer(Tokenizer):
 
     def encode_with_special(self, text: str) -> list[int]:
         return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=self._special_strings)
+
+    def special_strings(self) -> list[str]:
+        return sorted(self._special_strings)
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self._special_bytes:
@@ -193,6 +244,9 @@ class HFTokenizer(Tokenizer):
 
     def encode_with_special(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def special_strings(self) -> list[str]:
+        return self._specials
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self._added_bytes:
