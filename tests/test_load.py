@@ -1,0 +1,169 @@
+"""Load and disconnects: 200 concurrent streams equal to the same requests sent alone; a responsive
+frontend while a long prompt is tokenized; clients that vanish at every stage leak nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+from server_harness import Server, Tap
+
+N_LOAD = 200
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    srv = Server(tiny_checkpoint, "--max-prefill-length", "256", "--max-model-len", "16384", "--disable-prefix-cache",
+                 api_key=None)
+    yield srv
+    assert srv.stop() == []
+
+
+def load_requests() -> list[dict]:
+    rng = random.Random(11)
+    out = []
+    for i in range(N_LOAD):
+        n = rng.choice([3, 9, 17, 40, 64, 300])  # 300: two prefill chunks
+        out.append({"model": "tiny", "prompt": [rng.randrange(1, 240000) for _ in range(n)],
+                    "max_tokens": rng.randrange(1, 8), "ignore_eos": True, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}})
+    return out
+
+
+async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    usage, done, rid, text = None, False, None, ""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                rid = chunk["id"].removeprefix("cmpl-")
+                usage = chunk.get("usage") or usage
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+    return {"rid": rid, "usage": usage, "done": done, "text": text}
+
+
+def test_200_concurrent_streams_equal_the_same_requests_alone(server):
+    bodies = load_requests()
+    tap = Tap(server.tap_addr)
+    try:
+        async def together():
+            async with aiohttp.ClientSession() as s:
+                return await asyncio.gather(*(stream_one(s, server.url, b) for b in bodies))
+
+        async def alone():
+            async with aiohttp.ClientSession() as s:
+                return [await stream_one(s, server.url, b) for b in bodies]
+
+        loaded = asyncio.run(together())
+        idle = server.wait_idle()
+        assert idle["tidal_kv_pages_in_use"] == 0 and idle["tidal_state_slots_in_use"] == 0
+        assert idle["tidal_requests_running"] == 0
+        single = asyncio.run(alone())
+        for body, a, b in zip(bodies, loaded, single, strict=True):
+            assert a["done"] and a["usage"]["completion_tokens"] == body["max_tokens"]
+            assert a["usage"]["prompt_tokens"] == len(body["prompt"])
+            ids_a = tap.wait_finished(a["rid"])[1]
+            ids_b = tap.wait_finished(b["rid"])[1]
+            assert ids_a == ids_b and len(ids_a) == body["max_tokens"]
+            assert a["text"] == b["text"]
+    finally:
+        tap.close()
+    assert server.wait_idle()["tidal_kv_pages_in_use"] == 0
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server):
+    """A chat message of about a million tokens (refused afterwards as longer than the context: the
+    rendering and tokenizing, hundreds of milliseconds, are the point)."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    text = " ".join(random.Random(3).choice(words) + str(i % 97) for i in range(400000))
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+    result: dict = {}
+
+    def send():
+        req = urllib.request.Request(server.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        try:
+            urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as e:
+            result["status"], result["body"] = e.code, json.loads(e.read())
+        result["elapsed"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    probes = []
+    while thread.is_alive():
+        t0 = time.monotonic()
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        probes.append(time.monotonic() - t0)
+        time.sleep(0.01)
+    thread.join()
+    assert result["status"] == 400 and "tokens" in result["body"]["error"]["message"]
+    assert len(probes) >= 5, (probes, result)
+    assert max(probes) < 0.1, sorted(probes)[-5:]
+
+
+def raw_request(server: Server, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def wait_aborted(server: Server, before: dict, admitted: bool, timeout: float = 15.0) -> dict:
+    """Until the request is gone and every pool idle; ``admitted``: it must have been aborted at the
+    scheduler (a client gone before its request was handed on leaves nothing to abort)."""
+    deadline = time.time() + timeout
+    while True:
+        m = server.metrics()
+        aborted = m["tidal_scheduler_requests_aborted_total"] - before["tidal_scheduler_requests_aborted_total"]
+        finished = m["tidal_scheduler_requests_finished_total"] - before["tidal_scheduler_requests_finished_total"]
+        done = aborted == 1 if admitted else (aborted == 1 or (aborted == 0 and finished == 0))
+        if done and m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0 \
+                and m["tidal_requests_running"] == 0 and m["tidal_requests_waiting"] == 0:
+            return m
+        if time.time() > deadline:
+            raise AssertionError(f"not aborted and idle: {m}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stage", ["before-first-token", "mid-prefill", "mid-decode"])
+def test_client_that_vanishes_is_aborted_end_to_end(server, stage):
+    before = server.metrics()
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 240000) for _ in range(12000 if stage == "mid-prefill" else 40)]
+    sock = raw_request(server, {"model": "tiny", "prompt": prompt, "max_tokens": 3000, "ignore_eos": True,
+                                "stream": True})
+    if stage == "before-first-token":
+        sock.close()
+    elif stage == "mid-prefill":
+        deadline = time.time() + 20  # until the scheduler has the request running its prefill chunks
+        while server.metrics()["tidal_requests_running"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        sock.close()
+    else:
+        sock.settimeout(30)
+        received = b""
+        while received.count(b"data: {") < 3:
+            received += sock.recv(65536)
+        sock.close()
+    after = wait_aborted(server, before, admitted=stage != "before-first-token")
+    assert after['tidal_requests_total{finish_reason="length"}'] == before['tidal_requests_total{finish_reason="length"}']
+    # Far fewer than the 3000 tokens asked for were generated.
+    assert after["tidal_scheduler_generation_tokens_total"] - before["tidal_scheduler_generation_tokens_total"] < 1000
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
