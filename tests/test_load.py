@@ -29,7 +29,7 @@ def server(tiny_checkpoint):
 def load_requests() -> list[dict]:
     rng = random.Random(11)
     out = []
-    for i in range(N_LOAD):
+    for _ in range(N_LOAD):
         n = rng.choice([3, 9, 17, 40, 64, 300])  # 300: two prefill chunks
         out.append({"model": "tiny", "prompt": [rng.randrange(1, 240000) for _ in range(n)],
                     "max_tokens": rng.randrange(1, 8), "ignore_eos": True, "temperature": 0, "stream": True,
@@ -162,7 +162,8 @@ def test_client_that_vanishes_is_aborted_end_to_end(server, stage):
             received += sock.recv(65536)
         sock.close()
     after = wait_aborted(server, before, admitted=stage != "before-first-token")
-    assert after['tidal_requests_total{finish_reason="length"}'] == before['tidal_requests_total{finish_reason="length"}']
+    length = 'tidal_requests_total{finish_reason="length"}'
+    assert after[length] == before[length]
     # Far fewer than the 3000 tokens asked for were generated.
     assert after["tidal_scheduler_generation_tokens_total"] - before["tidal_scheduler_generation_tokens_total"] < 1000
     status, body = server.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2})
