@@ -34,6 +34,7 @@ class ServerArgs:
     max_running_requests: int = 32
     max_queued_requests: int = 1024
     default_max_tokens: int = 4096
+    max_request_bytes: int = 64 << 20  # larger HTTP request bodies get 413
     page_size: int = 16
     kv_pool_tokens: int | None = None
     state_slots: int | None = None
@@ -90,6 +91,8 @@ class ServerArgs:
              f"must be >= 1, got {self.max_running_requests}")
         need(self.default_max_tokens >= 0, "default_max_tokens", f"must be >= 0, got {self.default_max_tokens}")
         need(self.max_queued_requests >= 0, "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
+        need(self.max_request_bytes >= 1024, "max_request_bytes",
+             f"must be >= 1024 bytes, got {self.max_request_bytes}")
         need(self.max_prefill_length is None or self.max_prefill_length >= 1, "max_prefill_length",
              f"must be >= 1, got {self.max_prefill_length}")
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -202,6 +205,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="output tokens of a chat request that names no max_tokens (0: the rest of the context)")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                    help="requests that may wait beyond the running ones; more get 503 with Retry-After")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest HTTP request body in bytes (default 64 MiB); a larger one gets 413")
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--kv-pool-tokens", type=int, default=None, help="KV cache capacity in tokens")
     p.add_argument("--state-slots", type=int, default=None,

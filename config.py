@@ -100,10 +100,8 @@ class ModelConfig:
     indexer_budget: int | None = None
     indexer_compress_ratio: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    pad_token_id: int | None = None
     torch_dtype: str = "bfloat16"
-    # Raw text-config dict, kept so a checkpoint writer can round-trip unknown keys.
+    # Raw text-config dict (the executor ranks compare its digest at start-up).
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived facts ------------------------------------------------------------------------
@@ -320,72 +318,3 @@ class ModelConfig:
             need(self.ple_conv_kernel_size >= 1, f"ple_conv_kernel_size must be >= 1, got {self.ple_conv_kernel_size}")
             need(self.ngram_vocab_size_base >= 2,
                  f"ngram_vocab_size_base must be >= 2, got {self.ngram_vocab_size_base}")
-
-    def to_text_dict(self) -> dict[str, Any]:
-        """The text config as transformers' ``Qwen4ExpTextConfig`` writes it."""
-        layer_names = ["linear_attention" if t == LINEAR else "full_attention" for t in self.layer_types]
-        out = {
-            "architectures": ["Qwen4ExpForCausalLM"],
-            "model_type": "qwen4_exp_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "attention_bias": self.attention_bias,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.partial_rotary_factor,
-                "mrope_section": _default_mrope_section(self.rotary_dim),
-                "mrope_interleaved": True,
-            },
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "output_gate_type": self.output_gate_type,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "norm_topk_prob": self.norm_topk_prob,
-            "layer_types": layer_names,
-            "hc_count": self.hc_count,
-            "hc_lowrank": self.hc_lowrank,
-            "ple_layer_ids": list(self.ple_layer_ids),
-            "ple_embed_dim": self.ple_embed_dim,
-            "ple_conv_kernel_size": self.ple_conv_kernel_size,
-            "ngram_size": self.ngram_size,
-            "heads_per_ngram": self.heads_per_ngram,
-            "ngram_vocab_size_base": self.ngram_vocab_size_base,
-            "make_ngram_vocab_size_divisible_by": self.make_ngram_vocab_size_divisible_by,
-            "seed": self.seed,
-            "split_ngram_parts": self.split_ngram_parts,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            "bos_token_id": self.bos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "dtype": self.torch_dtype,
-        }
-        if self.has_qsa:
-            out.update(
-                indexer_n_heads=self.indexer_n_heads,
-                indexer_kv_heads=1,
-                indexer_head_dim=self.indexer_head_dim,
-                indexer_budget=self.indexer_budget,
-                indexer_compress_ratio=self.indexer_compress_ratio,
-            )
-        return out
-
-
-def _default_mrope_section(rotary_dim: int) -> list[int]:
-    """Split ``rotary_dim // 2`` frequencies over (t, h, w) like Qwen's 11/11/10 of 32."""
-    half = rotary_dim // 2
-    h = w = (half * 11) // 32
-    return [half - h - w, h, w]

@@ -14,10 +14,22 @@ is pickled.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Struct
+
+# How a request ended: a stop token or string, max_tokens or the context length, the client went away,
+# or an error.
+FinishReason = Literal["stop", "length", "abort", "error"]
+# Why a request is aborted: the client went away, a stop string matched, or the detokenizer failed it.
+AbortReason = Literal["abort", "stop", "error"]
+# How a prompt's forwards run: chunk by chunk, or one long forward layer by layer.
+PlanMode = Literal["chunked", "layer_major"]
+# The processes that report ``Ready``: the roles, one per executor rank, and the launcher's
+# ``mesh`` (to the frontend) and the frontend's ``frontend-drained``.
+ROLE_PATTERN = r"^(scheduler|detokenizer|frontend|frontend-drained|mesh|executor-\d+)$"
+Role = Annotated[str, msgspec.Meta(pattern=ROLE_PATTERN)]
 
 
 class SamplingParams(Struct, frozen=True, omit_defaults=True):
@@ -28,7 +40,8 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 sample greedily (dividing by them overflows the logits)."""
+        return self.temperature < 1e-5
 
 
 # ---- frontend -> scheduler --------------------------------------------------------------------
@@ -41,18 +54,16 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     stop: list[str] = []  # stop strings, applied by the detokenizer
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True  # applied by the detokenizer
-    arrival: float = 0.0
 
 
 class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
     rid: str
-    # "abort" (client gone), "stop" (a stop string matched), "error".
-    reason: str = "abort"
+    reason: AbortReason = "abort"
 
 
 # ---- scheduler -> detokenizer / tap -----------------------------------------------------------
 class Plan(Struct, omit_defaults=True):
-    mode: str  # "chunked" | "layer_major"
+    mode: PlanMode
     chunks: list[list[int]]  # [start, end) prompt positions per forward
     checkpoints: list[int] = []
     reason: str = ""
@@ -79,20 +90,16 @@ class Usage(Struct):
     completion_tokens: int
     cached_tokens: int = 0
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
 
 class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
     rid: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
     # HTTP status for an error: 400 the request can never run here, 500 it failed while running.
-    error_status: int | None = None
+    error_status: Literal[400, 500] | None = None
 
 
 class StepOutput(Struct, tag="StepOutput"):
@@ -120,10 +127,11 @@ class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
     text: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
-    error_status: int | None = None
+    # HTTP status for an error: 400 and 500 as in ``Detokenize``; 503 the server is shutting down.
+    error_status: Literal[400, 500, 503] | None = None
 
 
 # ---- scheduler <-> executors ------------------------------------------------------------------
@@ -157,7 +165,7 @@ class Batch(Struct, tag="Batch", omit_defaults=True):
     # [src_slot, dst_slot] state copies applied before the forward (prefix-cache restores).
     copies: list[list[int]] = []
     # "chunked", or "layer_major": one segment run layer by layer over internal chunks of chunk_size.
-    mode: str = "chunked"
+    mode: PlanMode = "chunked"
     chunk_size: int = 0
     # Hyper-connection row sharding across the TP ranks for this (pure, large) prefill batch.
     hc_shard: bool = False
@@ -175,7 +183,7 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
 
 # ---- lifecycle --------------------------------------------------------------------------------
 class Ready(Struct, tag="Ready", omit_defaults=True):
-    role: str
+    role: Role
     info: dict[str, Any] = {}
 
 
@@ -192,10 +200,6 @@ class Shutdown(Struct, tag="Shutdown"):
 class ExecutorFailed(Struct, tag="ExecutorFailed"):
     rank: int
     error: str
-
-
-class HealthPing(Struct, tag="HealthPing"):
-    nonce: int
 
 
 SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown | Ready

@@ -178,7 +178,7 @@ def _waves(prefill: list[Segment], device: torch.device) -> list[Wave]:
     for w in range(count):
         rows: list[int] = []
         cu, seg_list, export_piece, export_dst = [0], [], [], []
-        for i, (seg, bounds) in enumerate(zip(prefill, pieces)):
+        for i, (seg, bounds) in enumerate(zip(prefill, pieces, strict=True)):
             if w + 1 >= len(bounds):
                 continue
             lo, hi = bounds[w], bounds[w + 1]
@@ -193,10 +193,10 @@ def _waves(prefill: list[Segment], device: torch.device) -> list[Wave]:
         waves.append(Wave(
             rows=None if count == 1 else torch.tensor(rows, dtype=torch.long, device=device),
             cu_seqlens=torch.tensor(cu, dtype=torch.long, device=device), cu_host=cu,
-            chunk_indices=torch.tensor([[i, c] for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))
+            chunk_indices=torch.tensor([[i, c] for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True))
                                         for c in range(-(-(b - a) // GDN_CHUNK))],
                                        dtype=torch.long, device=device).reshape(-1, 2),
-            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])),
+            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
             seg=torch.tensor(seg_list, dtype=torch.long, device=device),
             export_piece=torch.tensor(export_piece, dtype=torch.long, device=device),
             export_dst=torch.tensor(export_dst, dtype=torch.long, device=device),

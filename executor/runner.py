@@ -82,7 +82,7 @@ class ModelRunner:
         # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
         rows: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
-        for i, seg in zip(order, fb.segments):
+        for i, seg in zip(order, fb.segments, strict=True):
             spec = specs[i]
             first = len(rows)
             if spec.want_logits:
@@ -102,7 +102,7 @@ class ModelRunner:
             last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
             ids = self.sampler(logits[last_rows], [specs[i].sampling or GREEDY for i in sampled],
                                [specs[i].sample_index for i in sampled])
-            for i, tok in zip(sampled, ids):
+            for i, tok in zip(sampled, ids, strict=True):
                 out.token_ids[i] = tok
         return out
 

@@ -44,7 +44,7 @@ class Sampler:
         if not params:
             return []
         out = torch.argmax(logits, dim=-1)
-        for row, (p, index) in enumerate(zip(params, indices)):
+        for row, (p, index) in enumerate(zip(params, indices, strict=True)):
             if p.greedy:
                 continue
             probs = torch.softmax(filter_logits(logits[row], p), dim=-1)

@@ -52,7 +52,7 @@ class Metrics:
             "# TYPE tidal_time_to_first_token_seconds histogram",
         ]
         total = 0
-        for bound, count in zip(TTFT_BUCKETS, self.ttft_counts):
+        for bound, count in zip(TTFT_BUCKETS, self.ttft_counts[:-1], strict=True):
             total += count
             lines.append(f'tidal_time_to_first_token_seconds_bucket{{le="{bound}"}} {total}')
         total += self.ttft_counts[-1]

@@ -7,7 +7,11 @@ value (``n: 1``, ``presence_penalty: 0``, ``logprobs: null`` ...) are accepted a
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import sys
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +37,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "metadata", "store"}
 MAX_STOP_STRINGS = 16
+# A positive temperature below this samples greedily (its limit): float32 logits divided by a much
+# smaller one overflow to inf and the sampler's probabilities to nan.
+MIN_TEMPERATURE = 1e-5
 MESSAGE_FIELDS = {"role", "content", "name"}
 # Message fields accepted only when empty (no tool calls, no refusals, no audio).
 NEUTRAL_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio", "tool_call_id", "reasoning_content"}
@@ -53,6 +60,12 @@ def bad(param: str, message: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+def _show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that quote a request's value."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 @dataclass
 class Limits:
     model_name: str
@@ -61,6 +74,9 @@ class Limits:
     vocab_size: int
     # A chat request without max_tokens / max_completion_tokens gets this many (0: the rest of the context).
     default_max_tokens: int = 0
+    # The longest token in bytes (0: unknown). A string prompt of more characters than
+    # max_model_len * max_token_bytes cannot fit and is refused without tokenizing it.
+    max_token_bytes: int = 0
 
 
 @dataclass
@@ -86,7 +102,85 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # math.isfinite(10**400) overflows
+
+
+# A \uD800-\uDFFF escape: the only way an unpaired surrogate gets into a body decoded as UTF-8.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodable(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unencodable_field(body: Any) -> str | None:
+    """The field (``messages[0].content``) of a string or key that holds an unpaired surrogate."""
+    stack = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return path or "body"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            sub = f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}" if path else key
+            if isinstance(key, str) and not _encodable(key):
+                return sub.encode("utf-8", "backslashreplace").decode()
+            if isinstance(item, (str, list, dict)):
+                stack.append((sub, item))
+    return None
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body: JSON in UTF-8, every string valid Unicode."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply: this server parses at most about "
+                            f"{sys.getrecursionlimit()} levels") from None
+    except ValueError as e:  # JSONDecodeError; also an integer of more than 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(text):
+        where = _unencodable_field(body)
+        if where is not None:
+            raise bad(where, f"{where} holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+                             "not valid Unicode")
+    return body
+
+
+def _panic(e: BaseException) -> bool:
+    """A Rust panic in a tokenizer (pyo3's ``PanicException`` derives from BaseException)."""
+    return type(e).__name__ == "PanicException"
+
+
+def _encode(param: str, text: str, tokenizer, limits: Limits) -> list[int]:
+    if limits.max_token_bytes:
+        bound = limits.max_model_len * limits.max_token_bytes
+        if len(text) >= bound:  # a token covers at most max_token_bytes bytes, so at most as many characters
+            chars = min(len(text), len(unicodedata.normalize("NFC", text)))
+            if chars >= bound:
+                raise bad(param, f"{param} has {chars} characters, so at least {-(-chars // limits.max_token_bytes)} "
+                                 f"tokens; the model's context length is {limits.max_model_len}")
+    try:
+        return tokenizer.encode(text)
+    except Exception as e:
+        raise bad(param, f"{param} could not be tokenized: {e}") from None
+    except BaseException as e:
+        if not _panic(e):
+            raise
+        raise bad(param, f"{param} could not be tokenized (the tokenizer failed: {e}; a very long run of "
+                         "whitespace can do this)") from None
 
 
 def _check_fields(body: Any, allowed: set[str]) -> None:
@@ -94,10 +188,10 @@ def _check_fields(body: Any, allowed: set[str]) -> None:
         raise bad(None, "the request body must be a JSON object")
     for key in body:
         if key not in allowed:
-            raise bad(key, f"unknown or unsupported field {key!r}")
+            raise bad(key, f"unknown or unsupported field {_show(key)}")
     for key, values in NEUTRAL.items():
         if key in body and body[key] not in values:
-            raise bad(key, f"{key}={body[key]!r} is not supported (accepted: {', '.join(map(repr, values))})")
+            raise bad(key, f"{key}={_show(body[key])} is not supported (accepted: {', '.join(map(repr, values))})")
 
 
 def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
@@ -105,26 +199,30 @@ def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
     if not isinstance(model, str):
         raise bad("model", "model must be a string")
     if model != limits.model_name:
-        raise APIError(400, f"the model {model!r} does not exist; this server serves {limits.model_name!r}",
+        raise APIError(400, f"the model {_show(model)} does not exist; this server serves {limits.model_name!r}",
                        param="model", code="model_not_found")
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
     if not _is_num(temperature) or not 0 <= temperature <= 2:
-        raise bad("temperature", f"temperature must be a number in [0, 2], got {temperature!r}")
+        raise bad("temperature", f"temperature must be a number in [0, 2], got {_show(temperature)}")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
     top_p = body.get("top_p", 1.0)
     if top_p is None:
         top_p = 1.0
     if not _is_num(top_p) or not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be a number in (0, 1], got {top_p!r}")
+        raise bad("top_p", f"top_p must be a number in (0, 1], got {_show(top_p)}")
     top_k = body.get("top_k", 0)
     if top_k is None:
         top_k = 0
     if not _is_int(top_k) or top_k < -1:
-        raise bad("top_k", f"top_k must be an integer >= -1 (-1 or 0: off), got {top_k!r}")
+        raise bad("top_k", f"top_k must be an integer >= -1 (-1 or 0: off), got {_show(top_k)}")
+    if top_k >= limits.vocab_size:
+        top_k = 0  # keeps the whole vocabulary: off
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise bad("seed", f"seed must be a 64-bit integer, got {seed!r}")
+        raise bad("seed", f"seed must be a 64-bit integer, got {_show(seed)}")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -140,7 +238,7 @@ def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
         if value is None:
             value = default
         if not isinstance(value, bool):
-            raise bad(name, f"{name} must be a boolean, got {value!r}")
+            raise bad(name, f"{name} must be a boolean, got {_show(value)}")
         flags[name] = value
     options = body.get("stream_options")
     include_usage = False
@@ -175,9 +273,9 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, prompt_
         if value > room:
             value = room
     if not _is_int(value) or value < 1:
-        raise bad(name, f"{name} must be an integer >= 1, got {value!r}")
+        raise bad(name, f"{name} must be an integer >= 1, got {_show(value)}")
     if value > room:
-        raise bad(name, f"{name} ({value}) plus the prompt ({prompt_len} tokens) exceeds the model's context "
+        raise bad(name, f"{name} ({_show(value)}) plus the prompt ({prompt_len} tokens) exceeds the model's context "
                         f"length of {limits.max_model_len} tokens")
     return value
 
@@ -202,7 +300,7 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = _encode("prompt", prompt, tokenizer, limits)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list):
@@ -242,10 +340,10 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
             raise bad(f"messages[{i}]", "each message must be an object")
         for key, value in m.items():
             if key not in MESSAGE_FIELDS and not (key in NEUTRAL_MESSAGE_FIELDS and not value):
-                raise bad(f"messages[{i}].{key}", f"unsupported message field {key!r}")
+                raise bad(f"messages[{i}].{key}", f"unsupported message field {_show(key)}")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}].role", f"unsupported role {role!r}")
+            raise bad(f"messages[{i}].role", f"unsupported role {_show(role)}")
         rendered.append({"role": "system" if role == "developer" else role, "content": _message_text(m, i)})
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -255,6 +353,11 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
                                             encode_content=answers.lookup if answers else None, **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs)
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
+    except BaseException as e:
+        if not _panic(e):
+            raise
+        raise bad("messages", f"messages could not be tokenized (the tokenizer failed: {e}; a very long run of "
+                              "whitespace can do this)") from None
     _check_prompt_ids(ids, limits, "messages")
     params = _sampling(body, limits)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.default_max_tokens or None,

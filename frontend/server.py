@@ -8,6 +8,7 @@ on client disconnect, which is how a closed stream aborts its request.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -32,13 +33,13 @@ from .protocol import (
     chat_chunk,
     completion_chunk,
     full_response,
+    parse_body,
     parse_chat,
     parse_completion,
     usage_chunk,
 )
 
 logger = logging.getLogger(__name__)
-MAX_BODY = 64 << 20
 
 
 def _json(data, status: int = 200) -> web.Response:
@@ -46,7 +47,8 @@ def _json(data, status: int = 200) -> web.Response:
 
 
 def _error(err: APIError) -> web.Response:
-    response = _json(err.body(), status=err.status)
+    # ASCII escapes: a message or param may quote text that is not valid Unicode (a lone surrogate).
+    response = web.Response(text=json.dumps(err.body()), status=err.status, content_type="application/json")
     if err.retry_after is not None:
         response.headers["Retry-After"] = str(err.retry_after)
     return response
@@ -61,10 +63,11 @@ class Frontend:
         self.args = args
         config = ModelConfig.from_file(model_path)
         sizes = pool_sizes(args, config)
+        self.tokenizer = load_tokenizer(model_path)
+        max_token_bytes = max((len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.n_vocab)), default=0)
         self.limits = Limits(model_name=args.model_name, max_model_len=sizes.max_model_len,
                              kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size,
-                             default_max_tokens=args.default_max_tokens)
-        self.tokenizer = load_tokenizer(model_path)
+                             default_max_tokens=args.default_max_tokens, max_token_bytes=max_token_bytes)
         self.metrics = Metrics()
         self.answers = AnswerMemory()
         self.client = EngineClient(args.scheduler_addr, args.frontend_addr, self.metrics)
@@ -72,7 +75,7 @@ class Frontend:
 
     # ---- app --------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=self.args.max_request_bytes, middlewares=[self._errors, self._auth])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -85,7 +88,7 @@ class Frontend:
         try:
             return await handler(request)
         except APIError as e:
-            if e.status in (400, 503):
+            if e.status in (400, 413, 503):
                 self.metrics.rejected += 1
             return _error(e)
         except web.HTTPException as e:
@@ -99,7 +102,8 @@ class Frontend:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         if self.args.api_key and request.path.startswith("/v1/"):
-            if request.headers.get("Authorization") != f"Bearer {self.args.api_key}":
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # bytes as sent
+            if not hmac.compare_digest(given, f"Bearer {self.args.api_key}".encode()):  # constant time
                 raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                type_="authentication_error", code="invalid_api_key")
         return await handler(request)
@@ -135,23 +139,16 @@ class Frontend:
             raise APIError(503, f"the server is at capacity: {capacity} requests running or queued "
                                 f"(--max-running-requests + --max-queued-requests); retry shortly",
                            type_="service_unavailable", retry_after=1)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the request body is not valid JSON") from None
-        # Validation, chat templates and tokenization run in a worker thread: a long prompt must not
-        # stall every other stream and /health on the event loop.
-        if chat:
-            parsed = await asyncio.to_thread(parse_chat, body, self.limits, self.tokenizer, self.answers)
-        else:
-            parsed = await asyncio.to_thread(parse_completion, body, self.limits, self.tokenizer)
+        raw = await self._read_body(request)
+        # JSON parsing, validation, chat templates and tokenization run in a worker thread: a long
+        # prompt must not stall every other stream and /health on the event loop.
+        parsed = await asyncio.to_thread(self._parse, raw, chat)
         rid = uuid.uuid4().hex
         queue = await self.client.submit(GenerateReq(
             rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
             sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
                                     seed=parsed.seed),
-            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
-            arrival=time.time()))
+            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens))
         state: dict = {}  # "first": a token arrived; "finished": the request ended on the server
         try:
             if parsed.stream:
@@ -163,6 +160,24 @@ class Frontend:
             else:  # client gone or handler failed: free everything the request holds
                 self.metrics.finished("abort", None)
                 asyncio.get_running_loop().create_task(self.client.abort(rid))
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.args.max_request_bytes
+        size = request.content_length
+        if size is None or size <= limit:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                size = None  # chunked: aiohttp stopped reading at the limit
+        length = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        raise APIError(413, f"the request body is {length}; this server accepts at most {limit} bytes "
+                            "(--max-request-bytes)", code="request_too_large")
+
+    def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
+        body = parse_body(raw)
+        if chat:
+            return parse_chat(body, self.limits, self.tokenizer, self.answers)
+        return parse_completion(body, self.limits, self.tokenizer)
 
     async def _next(self, queue: asyncio.Queue, state: dict, arrival: float) -> TextDelta:
         delta: TextDelta = await queue.get()

@@ -294,6 +294,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, page_size, kv_heads, _ = k_cache.shape
     assert num_heads % kv_heads == 0, "query heads must be a multiple of kv heads"
     assert v_cache.shape == k_cache.shape, "k_cache and v_cache must have the same shape"
+    # The kernels address V with K's head offset (one ``kv_off``): the layouts must match.
+    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head dim must be contiguous"
     assert page_table.stride(-1) == 1 and cu_seqlens_q.is_contiguous() and kv_lens.is_contiguous()
     out = torch.empty_like(q)

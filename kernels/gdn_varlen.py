@@ -46,7 +46,7 @@ def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     k = l2_norm(k.float()).repeat_interleave(group, dim=1)
     out = torch.empty_like(v)
     finals = []
-    for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
+    for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
         o, state = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], initial_state[i])
         out[lo:hi] = o
         finals.append(state)

@@ -44,5 +44,5 @@ def plan_prompt(prompt_len: int, cached: int, max_chunk: int | None, align: int,
             reasons.append(f"align: forwards end at checkpoints {positions}")
     if max_chunk and prompt_len - cached > max_chunk:
         reasons.append(f"chunked by --max-prefill-length {max_chunk}")
-    return CheckpointPlan(chunks=list(zip(bounds[:-1], bounds[1:])), checkpoints=positions,
+    return CheckpointPlan(chunks=list(zip(bounds[:-1], bounds[1:], strict=True)), checkpoints=positions,
                           reason="; ".join(reasons))

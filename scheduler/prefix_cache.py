@@ -164,7 +164,7 @@ class PrefixCache:
         another id stays private to the request."""
         first = len(keys)
         keys += chain_hashes(new_tokens, self.page_size, keys[-1] if keys else ROOT)
-        for page, key in zip(pages[first:len(keys)], keys[first:]):
+        for page, key in zip(pages[first:len(keys)], keys[first:], strict=True):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..messages import GenerateReq, SamplingParams
+from ..messages import AbortReason, GenerateReq, SamplingParams
 
 
 class Status(enum.Enum):
@@ -24,7 +24,6 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     # Offline scoring: return logits of every prompt row, sample nothing.
     want_logits: bool = False
-    arrival: float = 0.0
     status: Status = Status.WAITING
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
@@ -54,11 +53,9 @@ class Request:
     prefill_len: int = 0
     pages_sent: int = 0  # page-table entries the executor already holds for this request's slot
     admitted: bool = False  # PromptAdmitted went out (once per request, even if preempted later)
-    preemptions: int = 0
     match_keys: list[bytes] | None = None  # prefix-cache chain hashes of the prefill tokens, kept
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
-    abort_reason: str | None = None
-    finish_reason: str | None = None
+    abort_reason: AbortReason | None = None
 
     @classmethod
     def from_msg(cls, msg: GenerateReq, eos_ids: tuple[int, ...]) -> "Request":
@@ -66,8 +63,7 @@ class Request:
         if not msg.ignore_eos:
             stops.update(eos_ids)
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=msg.sampling,
-                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), arrival=msg.arrival,
-                   prefill_len=len(msg.prompt_ids))
+                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids))
 
     @property
     def prompt_len(self) -> int:

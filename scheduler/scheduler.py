@@ -211,7 +211,6 @@ class Scheduler:
         req.layer_major = False
         req.prefill_len = req.prompt_len + max(len(req.output) - 1, 0)
         req.match_keys = None
-        req.preemptions += 1
         self.counters["preemptions"] += 1
         self.waiting.appendleft(req)
         logger.info("preempted %s at %d tokens (%d output); it resumes when pages free up", req.rid,
@@ -228,7 +227,7 @@ class Scheduler:
 
     def process_result(self, batch: Batch, token_ids: list[int]) -> None:
         self.counters["forwards"] += 1
-        for seg, tok in zip(batch.segments, token_ids):
+        for seg, tok in zip(batch.segments, token_ids, strict=True):
             req = self.requests.get(seg.rid)
             if req is None or req.status is not Status.RUNNING:
                 continue
@@ -386,7 +385,6 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
                 error: str | None = None) -> None:
         req.status = Status.FINISHED
-        req.finish_reason = reason
         if self.cache is not None:
             self._release_cache_state(req, publish=reason in ("stop", "length"))
         if req.slot is not None:

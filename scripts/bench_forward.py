@@ -773,8 +773,8 @@ def _cell(r: dict[str, Any]) -> str:
 def table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines)
 
 

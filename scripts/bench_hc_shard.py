@@ -96,16 +96,16 @@ def run_arms(path: str, arms: list[tuple[str, bool]], ns, save) -> list[dict]:
                         samples[i].append(prefill_rate(srv, n, 100 + r))
                         print(f"  {outs[i]['mode']} coalesce={outs[i]['coalesce']} {n}: {samples[i][-1]:.0f} tok/s",
                               flush=True)
-                for out, rates in zip(outs, samples):
+                for out, rates in zip(outs, samples, strict=True):
                     out["prefill"][n] = {"tok_per_s": statistics.mean(rates), "samples": rates}
                     print(f"{out['mode']:8s} coalesce={out['coalesce']!s:5s} prefill {n}: "
                           f"{statistics.mean(rates):.0f} tok/s", flush=True)
-            for out, srv in zip(outs, servers):
+            for out, srv in zip(outs, servers, strict=True):
                 label = out["mode"] + ("+coalesce" if out["coalesce"] else "")
                 if label in ns.decode_arms.split(","):
                     out["decode"] = decode_rates(srv, f"{label:16s}", ns)
         finally:
-            for out, srv in zip(outs, servers):
+            for out, srv in zip(outs, servers, strict=True):
                 out["left_after_stop"] = srv.stop()
         results.extend(outs)
         save(results)
@@ -201,8 +201,8 @@ def main() -> None:
     print("\narm                    " + "  ".join(f"{n:>10}" for n in arms[0]["prefill"]) + "   vs off")
     for a in arms:
         rates = [a["prefill"][n]["tok_per_s"] for n in a["prefill"]]
-        gain = "" if base is None else "  ".join(
-            f"{(r / base['prefill'][n]['tok_per_s'] - 1) * 100:+.1f}%" for r, n in zip(rates, a["prefill"]))
+        gain = "" if base is None else "  ".join(f"{(r / base['prefill'][n]['tok_per_s'] - 1) * 100:+.1f}%"
+                                                 for r, n in zip(rates, a["prefill"], strict=True))
         print(f"{a['mode']:8s} coalesce={a['coalesce']!s:5s}  " + "  ".join(f"{r:10.0f}" for r in rates) + "   " + gain)
     if "agreement_shard_coalesce_vs_off" in result:
         print("agreement:", result["agreement_shard_coalesce_vs_off"])

@@ -36,7 +36,7 @@ def main() -> None:
         stream_completion(srv.url, list(range(1, 513)), 8)  # warm-up
         c_first, c_full, c_usage, c_rid = stream_completion(srv.url, cold, 16)
         w_first, w_full, w_usage, w_rid = stream_completion(srv.url, cont, 16)
-        d_first, d_full, d_usage, _ = stream_completion(srv.url, list(range(2000, 2064)), 128)
+        d_first, d_full, _, _ = stream_completion(srv.url, list(range(2000, 2064)), 128)
         decode_tps = (128 - 1) / (d_full - d_first)
         print(f"cold {ns.tokens} tokens: first text {c_first:.3f} s, full {c_full:.3f} s, "
               f"cached {c_usage['prompt_tokens_details']['cached_tokens']}")

@@ -31,7 +31,7 @@ def make_case(lengths: list[int], prefixes: list[int], *, heads: int, kv_heads: 
               page_size: int, dtype: torch.dtype, device: str, seed: int, ratio: int = 0, topk: int = 0) -> dict:
     """Packed segments over a cache whose pages are a random permutation; unused cache rows hold NaN."""
     gen = torch.Generator().manual_seed(seed)
-    kv_lens = [p + n for p, n in zip(prefixes, lengths)]
+    kv_lens = [p + n for p, n in zip(prefixes, lengths, strict=True)]
     pages_per = [-(-kv // page_size) for kv in kv_lens]
     num_pages = sum(pages_per) + 3
     perm = torch.randperm(num_pages, generator=gen)
@@ -40,7 +40,7 @@ def make_case(lengths: list[int], prefixes: list[int], *, heads: int, kv_heads: 
     k_cache = torch.full((num_pages, page_size, kv_heads, head_dim), float("nan"))
     v_cache = torch.full_like(k_cache, float("nan"))
     used = 0
-    for i, (kv, n_pages) in enumerate(zip(kv_lens, pages_per)):
+    for i, (kv, n_pages) in enumerate(zip(kv_lens, pages_per, strict=True)):
         ids = perm[used:used + n_pages]
         used += n_pages
         page_table[i, :n_pages] = ids
@@ -50,7 +50,7 @@ def make_case(lengths: list[int], prefixes: list[int], *, heads: int, kv_heads: 
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     tokens = int(cu[-1])
     q = 1.5 * torch.randn(tokens, heads, head_dim, generator=gen)
-    q_pos = torch.cat([torch.arange(kv - n, kv) for kv, n in zip(kv_lens, lengths)])
+    q_pos = torch.cat([torch.arange(kv - n, kv) for kv, n in zip(kv_lens, lengths, strict=True)])
     block_sel = random_block_sel(q_pos, ratio, topk, gen) if topk else None
     case = dict(q=q.to(dtype), k_cache=k_cache.to(dtype), v_cache=v_cache.to(dtype), page_table=page_table,
                 cu_seqlens_q=cu, kv_lens=torch.tensor(kv_lens, dtype=torch.int32), block_sel=block_sel)

@@ -101,7 +101,7 @@ def test_conv_windows_match_conv_history(kernel_size, dilation):
             seg_index.append(i)
             upto.append(off)
     windows = conv_ops.conv_windows(x, states, cu, slots, fresh, torch.tensor(seg_index), torch.tensor(upto))
-    for m, (i, off) in enumerate(zip(seg_index, upto)):
+    for m, (i, off) in enumerate(zip(seg_index, upto, strict=True)):
         lo, hi = int(cu[i]), int(cu[i + 1])
         history = torch.zeros_like(states[0]) if FRESH[i] else states[SLOTS[i]]
         assert torch.equal(windows[m], conv_history(x[lo:hi], history, off)), (i, off)

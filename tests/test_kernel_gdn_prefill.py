@@ -31,7 +31,7 @@ def test_reference_equals_token_by_token_recurrence():
     out, final = gdn_prefill_ref(q, k, v, g, beta, h0, cu)
     qn = l2_norm(q).repeat_interleave(2, dim=1)
     kn = l2_norm(k).repeat_interleave(2, dim=1)
-    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         state = h0[i:i + 1]
         for t in range(lo, hi):
             o, state = recurrent_gated_delta_rule(qn[t:t + 1], kn[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],

@@ -189,10 +189,10 @@ def test_reference_chain_is_the_original_forward_and_residual(monkeypatch, hc, h
     mods = [_hc_module(hc, hidden, lowrank, seed=i) for i in range(3)]
     fns = [_block(hidden, seed=10 + i) for i in range(2)]
     streams = torch.randn(37, hc * hidden, device=DEV)
-    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False)):
+    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False), strict=True):
         assert torch.equal(new, old)
     for m in mods:
-        for new, old in zip(m(streams), _old_forward(m, streams)):
+        for new, old in zip(m(streams), _old_forward(m, streams), strict=True):
             assert torch.equal(new, old)
     mixer = _hc_module(hc, hidden, lowrank, seed=5, use_combine=False)
     x, inject = mixer(streams)
@@ -207,9 +207,9 @@ def test_triton_chain_matches_original(tri, monkeypatch, rows, hc, hidden, lowra
     mods = [_hc_module(hc, hidden, lowrank, seed=i) for i in range(3)]
     fns = [_block(hidden, seed=10 + i) for i in range(2)]
     streams = torch.randn(rows, hc * hidden, device=DEV)
-    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False)):
+    for new, old in zip(_chain(mods, fns, streams, fused=True), _chain(mods, fns, streams, fused=False), strict=True):
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
-    for new, old in zip(mods[0](streams), _old_forward(mods[0], streams)):
+    for new, old in zip(mods[0](streams), _old_forward(mods[0], streams), strict=True):
         torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
 
 
@@ -276,7 +276,7 @@ def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
     logits = (4 * torch.randn(T, LOWRANK + HC, device="cuda")).to(dtype)[:, LOWRANK:]
     got = hc_ops.hc_residual_norm(streams, block_out, logits, HC, w, EPS)
     want = hc_ops.hc_residual_norm_ref(streams, block_out, logits, HC, w, EPS)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         _assert_near(a, b, dtype)
 
 
@@ -292,5 +292,5 @@ def test_gpu_chain_matches_reference_path(tri, monkeypatch, dtype):
     monkeypatch.setenv("TIDAL_KERNELS", "triton")
     assert use_triton(streams)
     got = _chain(mods, fns, streams, fused=True)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         _assert_near(a, b, dtype, chain=True)

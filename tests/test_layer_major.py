@@ -168,7 +168,7 @@ def test_layer_major_batch_equals_chunked_logits(tiny_checkpoint):
     ids_lm, states_lm = run("layer_major")
     ids_ch, states_ch = run("chunked")
     assert ids_lm == ids_ch
-    for a, b in zip(states_lm, states_ch):
+    for a, b in zip(states_lm, states_ch, strict=True):
         assert (a - b).abs().max().item() <= 1e-4
 
 

@@ -195,7 +195,7 @@ def test_small_pool_fifty_requests_evict_and_return_to_idle(tiny_checkpoint, off
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda p: served.complete(p, max_tokens=6), prompts))
         expected = offline.generate(prompts, max_tokens=6, ignore_eos=True)
-        for (body, _, token_ids, final), want in zip(results, expected):
+        for (body, _, token_ids, final), want in zip(results, expected, strict=True):
             assert final["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 6
             assert token_ids == want
         hits = [r[1]["cached_tokens"] for r in results]

@@ -46,3 +46,15 @@ def test_seeded_requests_are_reproducible(tiny_checkpoint, device):
     assert a != c
     greedy = llm.generate([prompt], max_tokens=12, ignore_eos=True)[0]
     assert llm.generate([prompt], max_tokens=12, temperature=1.0, top_k=1, seed=5, ignore_eos=True)[0] == greedy
+
+
+def test_tiny_temperature_samples_greedily_not_nan():
+    import torch
+
+    from tidal.executor.sampler import Sampler
+    from tidal.messages import SamplingParams
+
+    logits = torch.tensor([[0.1, 3.0, -2.0, 2.9], [5.0, 0.0, 0.0, 4.99]])
+    sampler = Sampler(torch.device("cpu"))
+    for t in (1e-300, 5e-324, 1e-6):
+        assert sampler(logits, [SamplingParams(temperature=t)] * 2, [0, 0]) == [1, 0]

@@ -63,7 +63,7 @@ def test_finish_by_length_and_eos_frees_everything(make):
     while sched.has_work():
         batch = sched.schedule()
         tokens = [248046 if s.rid == "b" and s.sample_index == 1 else 7 for s in batch.segments]
-        sched.process_result(batch, [t if s.sample else -1 for t, s in zip(tokens, batch.segments)])
+        sched.process_result(batch, [t if s.sample else -1 for t, s in zip(tokens, batch.segments, strict=True)])
     done = {e.rid: e for e in events if isinstance(e, Detokenize) and e.finished}
     assert done["a"].finish_reason == "length" and done["a"].usage.completion_tokens == 3
     assert done["b"].finish_reason == "stop" and done["b"].usage.completion_tokens == 2
@@ -158,7 +158,7 @@ def _loop(make):
 
     sched, events = make(disable_prefix_cache=True)
     loop = object.__new__(SchedulerLoop)
-    loop.scheduler, loop.in_flight, loop.running = sched, None, True
+    loop.args, loop.scheduler, loop.in_flight, loop.running, loop.failed = sched.args, sched, None, True, False
     sent_detok, sent_exec = [], []
     loop.to_detok = type("Sink", (), {"send": staticmethod(sent_detok.append)})()
     loop.to_executors = [type("Sink", (), {"send": staticmethod(sent_exec.append)})()]

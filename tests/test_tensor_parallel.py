@@ -62,7 +62,7 @@ def _rank_main(rank: int, size: int, port: int, path: str, kwargs: dict, queue, 
         llm = LLM(path, tp=size, **kwargs)
         before = llm.runner.stats()
         logits = llm.score(_prompt(length))
-        scored = {k: [a - b for a, b in zip(v, before[k])] for k, v in llm.runner.stats().items()}
+        scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
         ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
         if rank == 0:
             # by value: the process exits before the parent reads

@@ -61,7 +61,7 @@ class StatePool:
     def copy_many(self, src: list[int], dst: list[int]) -> None:
         """:meth:`copy` for several pairs at once: one gather-scatter per state tensor (all sources are
         read before any destination is written, so the pairs must not chain)."""
-        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
         if not pairs:
             return
         device = self.ngram_context.device

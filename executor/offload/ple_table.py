@@ -276,7 +276,6 @@ class DiskTable(PLETable):
         # starts[p] is part p's first global row; starts[-1] is the total.
         self._starts = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
         self.rows = int(self._starts[-1])
-        self.parts = list(parts)
         self._staging = _Staging(dim, dtype)
         self._lock = threading.Lock()
 
