@@ -4,7 +4,8 @@
 the executor reaches ``executor.error`` and the 3rd time the scheduler reaches ``scheduler.result``
 (once each). The points:
 
-- ``executor.error``: a batch fails with an exception (the process lives on);
+- ``executor.error``: a batch fails with an exception (the process lives on); ``executor<R>.error``
+  does the same on rank ``R`` only;
 - ``executor.fatal``: a batch fails and the device counts as unusable (as after a sticky CUDA error);
 - ``executor.hang``: a batch never finishes (the executor sleeps);
 - ``scheduler.result``: the scheduler's handling of a batch result raises.

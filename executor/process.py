@@ -80,6 +80,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         assert isinstance(msg, Batch)
         try:
             check("executor.error")
+            check(f"executor{rank}.error")
             check("executor.hang")
             if fault("executor.fatal"):
                 raise DeviceLost("injected fault at executor.fatal")
@@ -90,13 +91,16 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
             logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())
             where = f"rank {rank}: " if args.tp > 1 else ""
             error = f"{where}{type(e).__name__}: {e}"
-            if isinstance(e, DeviceLost) or not device_usable(runner.device):
-                # A sticky device error fails every later batch too: say so and leave, so the
-                # launcher restarts the mesh or exits instead of serving errors behind a healthy /health.
+            if args.tp > 1 or isinstance(e, DeviceLost) or not device_usable(runner.device):
+                # A sticky device error fails every later batch too, and under tensor parallelism
+                # the other ranks are left inside this batch's collectives: say so and leave, so
+                # the launcher restarts the mesh or exits instead of serving errors (or hanging)
+                # behind a healthy /health.
                 failed = ExecutorFailed(rank=rank, error=error)
                 results.send(failed)
                 control.send(failed)
-                logger.error("rank %d: the device is unusable; exiting", rank)
+                logger.error("rank %d: %s; exiting", rank, "the ranks are out of step" if args.tp > 1 and not
+                             isinstance(e, DeviceLost) else "the device is unusable")
                 results.close(linger_ms=2000)
                 control.close(linger_ms=2000)
                 raise SystemExit(1) from e

@@ -219,3 +219,23 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tiny_checkpoint):
     assert time.monotonic() - t0 < 10
     assert srv.proc.returncode == 0
     assert srv.stop() == []
+
+
+def test_an_error_on_another_rank_fails_the_batch_with_its_message(tiny_checkpoint):
+    """Under --tp 2 an exception on rank 1 leaves rank 0 inside the batch's collectives: the request
+    fails with rank 1's message and the mesh restarts (the ranks cannot go on out of step)."""
+    srv = Server(tiny_checkpoint, "--tp", "2", "--restart-on-failure", api_key=None,
+                 env={"TIDAL_FAULTS": "executor1.error@2"})
+    try:
+        t0 = time.monotonic()
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8,
+                                                    "ignore_eos": True})
+        assert status == 500
+        assert "rank 1: InjectedFault: injected fault at executor1.error" in body["error"]["message"]
+        assert time.monotonic() - t0 < 15
+        srv.wait_ready(60)
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [4, 5], "max_tokens": 1})
+        assert status == 200 and body["usage"]["completion_tokens"] == 1
+        assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
+    finally:
+        assert srv.stop() == []

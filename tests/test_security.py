@@ -32,9 +32,11 @@ def call(srv: Server, method: str, path: str, headers: dict[str, str], body: dic
 
 def test_api_key_guards_every_v1_route_and_run_dir_is_private(tiny_checkpoint, tmp_path):
     run_dir = tmp_path / "run"
-    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir))
+    tap = tmp_path / "elsewhere-tap"  # an ipc socket outside the run directory is removed too
+    srv = Server(tiny_checkpoint, "--run-dir", str(run_dir), "--tap-addr", f"ipc://{tap}")
     try:
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.stat(tap).st_mode)
         routes = [("GET", "/v1/models", None),
                   ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}),
                   ("POST", "/v1/chat/completions",
@@ -53,7 +55,7 @@ def test_api_key_guards_every_v1_route_and_run_dir_is_private(tiny_checkpoint, t
         assert call(srv, "GET", "/health", {})[0] == 200  # probes need no key
     finally:
         assert srv.stop() == []
-    assert not run_dir.exists()
+    assert not run_dir.exists() and not tap.exists()
 
 
 def test_loopback_by_default():
