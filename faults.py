@@ -10,6 +10,10 @@ the executor reaches ``executor.error`` and the 3rd time the scheduler reaches `
 - ``executor.hang``: a batch never finishes (the executor sleeps);
 - ``scheduler.result``: the scheduler's handling of a batch result raises.
 
+``TIDAL_SCRIPTED_OUTPUT="151657,4913,..."`` makes every sampled request emit those token ids, one
+per output position, before the model's own choices resume (:func:`scripted_output`): how the tests
+get a tool call or a reasoning block out of random weights.
+
 Unset (every production run), :func:`fault` is one dictionary lookup that finds nothing.
 """
 
@@ -32,6 +36,12 @@ def _parse(spec: str) -> dict[str, int]:
 
 
 _POINTS = _parse(os.environ.get("TIDAL_FAULTS", ""))
+_SCRIPT = [int(x) for x in os.environ.get("TIDAL_SCRIPTED_OUTPUT", "").split(",") if x.strip()]
+
+
+def scripted_output(index: int) -> int | None:
+    """The scripted token id of output position ``index``, or ``None``."""
+    return _SCRIPT[index] if index < len(_SCRIPT) else None
 _SEEN: dict[str, int] = {}
 
 

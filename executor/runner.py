@@ -16,6 +16,7 @@ from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
+from ..faults import scripted_output
 from .sampler import Sampler
 
 GREEDY = SamplingParams()
@@ -103,7 +104,8 @@ class ModelRunner:
             ids = self.sampler(logits[last_rows], [specs[i].sampling or GREEDY for i in sampled],
                                [specs[i].sample_index for i in sampled])
             for i, tok in zip(sampled, ids, strict=True):
-                out.token_ids[i] = tok
+                scripted = scripted_output(specs[i].sample_index)
+                out.token_ids[i] = tok if scripted is None else scripted
         return out
 
     def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):

@@ -239,3 +239,18 @@ def test_an_error_on_another_rank_fails_the_batch_with_its_message(tiny_checkpoi
         assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
     finally:
         assert srv.stop() == []
+
+
+def test_scripted_output_hook(tiny_checkpoint):
+    """The test hook other API tests use to force a model's output (a tool call, a reasoning block)."""
+    srv = Server(tiny_checkpoint, api_key=None, env={"TIDAL_SCRIPTED_OUTPUT": "11,12,13"})
+    try:
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 5,
+                                                    "ignore_eos": True})
+        assert status == 200
+        from tidal.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tiny_checkpoint)
+        assert body["choices"][0]["text"].startswith(tok.decode([11, 12, 13]))
+    finally:
+        assert srv.stop() == []
