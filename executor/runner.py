@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
+from ..faults import scripted_output
 from ..messages import Batch, SamplingParams
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
@@ -16,7 +17,6 @@ from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
-from ..faults import scripted_output
 from .sampler import Sampler
 
 GREEDY = SamplingParams()
