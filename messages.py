@@ -37,6 +37,9 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None
+    # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (-1: none),
+    # from the model's distribution before any sampling adjustment.
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -91,9 +94,18 @@ class Usage(Struct):
     cached_tokens: int = 0
 
 
+class TokenLogprob(Struct, array_like=True, omit_defaults=True):
+    """One sampled token's log-probability and the most likely alternatives at its position."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
     rid: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token, for requests that asked
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -126,6 +138,7 @@ class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
     rid: str
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per id of ``token_ids``, for requests that asked
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -175,6 +188,8 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
     batch_id: int
     # One sampled id per segment, -1 where the segment did not sample.
     token_ids: list[int]
+    # Segment index -> the sampled token's log-probabilities, for segments whose request asked.
+    logprobs: dict[int, TokenLogprob] = {}
     error: str | None = None
     # Cumulative executor counters: ``expert_*`` one value per MoE layer (loads, bytes, whole-layer
     # streams); ``tp_*`` one value (collectives issued, hyper-connection sharded forwards).

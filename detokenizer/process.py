@@ -75,14 +75,15 @@ class Detokenizer:
             if not msg.finished:
                 self.stopped.add(rid)
                 self.send_abort(AbortReq(rid=rid, reason="stop"))
-            self.send_text(TextDelta(rid=rid, text=text, token_ids=list(msg.token_ids), finished=True,
-                                     finish_reason="stop", usage=usage))
+            self.send_text(TextDelta(rid=rid, text=text, token_ids=list(msg.token_ids), logprobs=msg.logprobs,
+                                     finished=True, finish_reason="stop", usage=usage))
             return
         if msg.finished:
             text += state.finish()
             self.states.pop(rid, None)
             self.usage.pop(rid, None)
-        self.send_text(TextDelta(rid=rid, text=text, token_ids=list(msg.token_ids), finished=msg.finished,
+        self.send_text(TextDelta(rid=rid, text=text, token_ids=list(msg.token_ids), logprobs=msg.logprobs,
+                                 finished=msg.finished,
                                  finish_reason=msg.finish_reason, usage=msg.usage, error=msg.error,
                                  error_status=msg.error_status))
 

@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelConfig
 from ..faults import scripted_output
-from ..messages import Batch, SamplingParams
+from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
 from .layers.hyper_connection import GatedResidual
@@ -29,6 +29,8 @@ class RunnerOutput:
     token_ids: list[int]
     # Segment index -> fp32 logits [len, vocab] for segments that asked (offline scoring).
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Segment index -> the sampled token's log-probabilities, for requests that asked.
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -106,7 +108,27 @@ class ModelRunner:
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted
+            self._logprobs(out, logits[last_rows], [specs[i] for i in sampled], sampled)
         return out
+
+    def _logprobs(self, out: RunnerOutput, logits: torch.Tensor, specs: list[SegmentSpec], index: list[int]) -> None:
+        """Log-softmax of the model's logits at the sampled rows whose request asked: the chosen
+        token's value and the top ``logprobs`` alternatives, moved to the host in one copy."""
+        want = [(j, spec.sampling.logprobs) for j, spec in enumerate(specs)
+                if spec.sampling is not None and spec.sampling.logprobs >= 0]
+        if not want:
+            return
+        rows = torch.tensor([j for j, _ in want], device=logits.device)
+        lp = torch.log_softmax(logits[rows], dim=-1)
+        chosen = torch.tensor([out.token_ids[index[j]] for j, _ in want], device=logits.device)
+        k = max(n for _, n in want)
+        top = lp.topk(k, dim=-1) if k else None
+        host = torch.cat([lp.gather(1, chosen[:, None])] + ([top.values, top.indices.to(lp.dtype)] if k else []),
+                         dim=1).cpu()
+        for r, (j, n) in enumerate(want):
+            row = host[r].tolist()
+            out.logprobs[index[j]] = TokenLogprob(logprob=row[0], top_ids=[int(x) for x in row[1 + k:1 + k + n]],
+                                                  top_logprobs=row[1:1 + n])
 
     def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):
         """One long segment, each decoder layer over all its internal chunks before the next layer.

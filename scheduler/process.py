@@ -76,7 +76,7 @@ class SchedulerLoop:
                 self.scheduler.fail_batch(batch, msg.error)
             else:
                 check("scheduler.result")
-                self.scheduler.process_result(batch, msg.token_ids)
+                self.scheduler.process_result(batch, msg.token_ids, msg.logprobs)
         elif isinstance(msg, ExecutorFailed):
             logger.error("executor %d failed: %s", msg.rank, msg.error)
             self._executor_gone(f"the executor failed: {msg.error}")

@@ -15,7 +15,17 @@ from collections.abc import Callable
 
 from ..args import ServerArgs
 from ..config import ModelConfig
-from ..messages import Batch, Detokenize, GenerateReq, Plan, PromptAdmitted, SchedulerStats, SegmentSpec, Usage
+from ..messages import (
+    Batch,
+    Detokenize,
+    GenerateReq,
+    Plan,
+    PromptAdmitted,
+    SchedulerStats,
+    SegmentSpec,
+    TokenLogprob,
+    Usage,
+)
 from ..sizing import PoolSizes
 from .checkpoint_plan import CheckpointPlan, plan_prompt
 from .hc_shard import hc_shard_decision
@@ -225,9 +235,11 @@ class Scheduler:
         req.rolling_pos = None  # valid again once this forward completes
         return req.rolling_slot
 
-    def process_result(self, batch: Batch, token_ids: list[int]) -> None:
+    def process_result(self, batch: Batch, token_ids: list[int],
+                       logprobs: dict[int, TokenLogprob] | None = None) -> None:
+        """``logprobs``: segment index -> the sampled token's log-probabilities (requests that asked)."""
         self.counters["forwards"] += 1
-        for seg, tok in zip(batch.segments, token_ids, strict=True):
+        for index, (seg, tok) in enumerate(zip(batch.segments, token_ids, strict=True)):
             req = self.requests.get(seg.rid)
             if req is None or req.status is not Status.RUNNING:
                 continue
@@ -258,10 +270,11 @@ class Scheduler:
                 reason = "stop"
             elif len(req.output) >= req.max_tokens or req.prompt_len + len(req.output) >= self.sizes.max_model_len:
                 reason = "length"
+            lp = logprobs.get(index) if logprobs else None
             if reason is None:
-                self.emit(Detokenize(rid=req.rid, token_ids=[tok]))
+                self.emit(Detokenize(rid=req.rid, token_ids=[tok], logprobs=None if lp is None else [lp]))
             else:
-                self._finish(req, reason, new_tokens=[tok])
+                self._finish(req, reason, new_tokens=[tok], new_logprobs=None if lp is None else [lp])
 
     def _index(self, req: Request, seg: SegmentSpec, end: int) -> None:
         """Publish what the forward just wrote: full pages, then completed checkpoints."""
@@ -383,7 +396,7 @@ class Scheduler:
 
     # ---- ending -------------------------------------------------------------------------------
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, new_logprobs: list[TokenLogprob] | None = None) -> None:
         req.status = Status.FINISHED
         if self.cache is not None:
             self._release_cache_state(req, publish=reason in ("stop", "length"))
@@ -408,7 +421,7 @@ class Scheduler:
                 max(0, min(req.num_computed, req.prompt_len) - req.cached_tokens), req.checkpoints_written,
                 req.prefill_forwards, reason)
         self.emit(Detokenize(
-            rid=req.rid, token_ids=new_tokens or [], finished=True, finish_reason=reason,
+            rid=req.rid, token_ids=new_tokens or [], logprobs=new_logprobs, finished=True, finish_reason=reason,
             usage=Usage(prompt_tokens=req.prompt_len, completion_tokens=len(req.output),
                         cached_tokens=req.cached_tokens),
             error=error, error_status=500 if error is not None else None,
