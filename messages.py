@@ -40,6 +40,23 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
     # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (-1: none),
     # from the model's distribution before any sampling adjustment.
     logprobs: int = -1
+    # Penalties (vLLM's semantics): frequency and presence count generated tokens
+    # (``logit -= frequency * count + presence * (count > 0)``); repetition counts prompt and generated
+    # tokens (positive logits divided by it, negative ones multiplied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Added to the logits of these token ids.
+    logit_bias: dict[int, float] = {}
+    # Until this many tokens are out, ``min_tokens_ban`` (the request's stop token ids, filled in by
+    # the scheduler) cannot be sampled.
+    min_tokens: int = 0
+    min_tokens_ban: list[int] = []
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +74,7 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     stop: list[str] = []  # stop strings, applied by the detokenizer
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True  # applied by the detokenizer
+    include_stop_str_in_output: bool = False  # applied by the detokenizer
 
 
 class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
@@ -86,6 +104,7 @@ class DetokenizeInit(Struct, tag="DetokenizeInit", omit_defaults=True):
     prompt_tokens: int
     stop: list[str] = []
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 class Usage(Struct):
@@ -170,6 +189,11 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     sample_index: int = 0
     exports: list[list[int]] = []
     want_logits: bool = False
+    # For a request with penalties, on its first sampling segment after admission (or resumption):
+    # its prompt ids (when the repetition penalty needs them) followed by the ids generated so far;
+    # the executor keeps the counts from there.
+    history: list[int] | None = None
+    history_prompt: int = 0
 
 
 class Batch(Struct, tag="Batch", omit_defaults=True):

@@ -18,9 +18,11 @@ class IncrementalText:
     ``base``), so a long output costs linear time, not a copy of everything so far per token.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, skip_special: bool = True,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.include_stop = include_stop  # the matched stop string ends the text instead of being cut
         self.skip_special = skip_special
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.buf = ""
@@ -53,9 +55,10 @@ class IncrementalText:
 
     def _check_stop(self) -> None:
         start = max(self.base, self.emitted - self._longest_stop) - self.base
-        hits = [i for i in (self.buf.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((self.buf.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.buf = self.buf[: min(hits)]
+            first, end = min(hits)
+            self.buf = self.buf[:end if self.include_stop else first]
             self.stopped = True
 
     def _release(self, final: bool) -> str:

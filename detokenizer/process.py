@@ -44,7 +44,8 @@ class Detokenizer:
 
     def handle(self, msg) -> None:
         if isinstance(msg, DetokenizeInit):
-            self.states[msg.rid] = IncrementalText(self.tokenizer, msg.stop, msg.skip_special_tokens)
+            self.states[msg.rid] = IncrementalText(self.tokenizer, msg.stop, msg.skip_special_tokens,
+                                                   msg.include_stop_str_in_output)
             self.usage[msg.rid] = Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=0)
         elif isinstance(msg, PromptAdmitted):
             if self.publish:

@@ -17,7 +17,7 @@ from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
-from .sampler import Sampler
+from .sampler import Sampler, TokenCounts
 
 GREEDY = SamplingParams()
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class ModelRunner:
         self.kv, self.states = kv, states
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.counts = TokenCounts(self.device)
         self.expert_store = expert_store
         self.hc_shard_forwards = 0
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
@@ -103,11 +104,13 @@ class ModelRunner:
         sampled = [i for i, spec in enumerate(specs) if spec.sample]
         if sampled:
             last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
+            counts = self.counts.rows([specs[i] for i in sampled], logits.shape[-1])
             ids = self.sampler(logits[last_rows], [specs[i].sampling or GREEDY for i in sampled],
-                               [specs[i].sample_index for i in sampled])
+                               [specs[i].sample_index for i in sampled], counts)
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted
+            self.counts.count(counts, [out.token_ids[i] for i in sampled])
             self._logprobs(out, logits[last_rows], [specs[i] for i in sampled], sampled)
         return out
 

@@ -56,7 +56,8 @@ class SchedulerLoop:
     def handle(self, msg) -> None:
         if isinstance(msg, GenerateReq):
             self._out.append(DetokenizeInit(rid=msg.rid, prompt_tokens=len(msg.prompt_ids), stop=msg.stop,
-                                            skip_special_tokens=msg.skip_special_tokens))
+                                            skip_special_tokens=msg.skip_special_tokens,
+                                            include_stop_str_in_output=msg.include_stop_str_in_output))
             self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..messages import AbortReason, GenerateReq, SamplingParams
 
 
@@ -52,6 +54,7 @@ class Request:
     # token but the last (whose forward is the next decode).
     prefill_len: int = 0
     pages_sent: int = 0  # page-table entries the executor already holds for this request's slot
+    history_sent: bool = False  # the executor holds this request's token counts (penalties)
     admitted: bool = False  # PromptAdmitted went out (once per request, even if preempted later)
     match_keys: list[bytes] | None = None  # prefix-cache chain hashes of the prefill tokens, kept
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
@@ -62,7 +65,10 @@ class Request:
         stops = set(msg.stop_token_ids)
         if not msg.ignore_eos:
             stops.update(eos_ids)
-        return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=msg.sampling,
+        sampling = msg.sampling
+        if sampling.min_tokens > 0:  # what min_tokens holds back: whatever would end the request
+            sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(stops))
+        return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=sampling,
                    ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids))
 
     @property

@@ -145,11 +145,11 @@ class Scheduler:
                     exports.append([end - start, slot])
             base, pages = self._page_delta(req)
             # A resumed request (preempted while decoding) already holds its next token: no sample.
-            segments.append(SegmentSpec(
+            segments.append(self._with_history(req, SegmentSpec(
                 rid=req.rid, slot=req.slot, start=start, token_ids=req.tokens(start, end), pages=pages,
                 page_base=base, sample=last and not req.want_logits and not req.output, sampling=req.sampling,
                 sample_index=0, exports=exports, want_logits=req.want_logits,
-            ))
+            )))
             copies += req.copies
             req.copies = []
             used += end - start
@@ -175,9 +175,18 @@ class Scheduler:
             if slot is not None:
                 exports.append([1, slot])
         base, pages = self._page_delta(req)
-        return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=pages,
-                           page_base=base, sample=True, sampling=req.sampling, sample_index=len(req.output),
-                           exports=exports)
+        return self._with_history(req, SegmentSpec(
+            rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=pages, page_base=base,
+            sample=True, sampling=req.sampling, sample_index=len(req.output), exports=exports))
+
+    @staticmethod
+    def _with_history(req: Request, seg: SegmentSpec) -> SegmentSpec:
+        """A penalized request's first sampling segment since (re)admission carries its token history."""
+        if seg.sample and req.sampling.penalized and not req.history_sent:
+            prompt = req.prompt if req.sampling.repetition_penalty != 1 else []
+            seg.history, seg.history_prompt = prompt + req.output, len(prompt)
+            req.history_sent = True
+        return seg
 
     def _page_delta(self, req: Request) -> tuple[int, list[int]]:
         """The page-table entries the executor does not hold yet (it keeps each slot's table)."""
@@ -216,7 +225,7 @@ class Scheduler:
             self.slots.free(req.slot)
         self.running.pop(req.rid)
         req.status = Status.WAITING
-        req.slot, req.pages, req.pages_sent, req.page_keys = None, [], 0, []
+        req.slot, req.pages, req.pages_sent, req.page_keys, req.history_sent = None, [], 0, [], False
         req.chunks, req.next_chunk, req.num_computed, req.copies = [], 0, 0, []
         req.layer_major = False
         req.prefill_len = req.prompt_len + max(len(req.output) - 1, 0)
