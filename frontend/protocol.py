@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here. Unknown fields and unsupported values are
 rejected with a 400 naming the field; fields that OpenAI clients commonly send at their neutral
-value (``n: 1``, ``presence_penalty: 0``, ``logprobs: null`` ...) are accepted at that value only.
+value (``n: 1``, ``best_of: 1`` ...) are accepted at that value only.
 """
 
 from __future__ import annotations
@@ -19,30 +19,31 @@ from typing import Any
 NEUTRAL = {
     "n": (1,),
     "best_of": (1,),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "suffix": (None,),
-    "logit_bias": (None, {}),
-    "parallel_tool_calls": (None, True, False),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
 }
+# Chat fields that completions accept only at these neutral values.
+TOOL_NEUTRAL = {"parallel_tool_calls": (None, True, False), "tools": (None, []), "tool_choice": (None, "none", "auto")}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
-                 "stream_options", "user", "skip_special_tokens", *NEUTRAL}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "chat_template_kwargs", "metadata", "store"}
+                 "stream_options", "user", "skip_special_tokens", "logprobs", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+                 *NEUTRAL}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", *TOOL_NEUTRAL}
+CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "messages", "max_completion_tokens", "chat_template_kwargs", "metadata",
+                               "store", "tools", "tool_choice", "parallel_tool_calls"}
 MAX_STOP_STRINGS = 16
 # A positive temperature below this samples greedily (its limit): float32 logits divided by a much
 # smaller one overflow to inf and the sampler's probabilities to nan.
 MIN_TEMPERATURE = 1e-5
 MESSAGE_FIELDS = {"role", "content", "name"}
-# Message fields accepted only when empty (no tool calls, no refusals, no audio).
+# Fields of messages of one role only.
+ROLE_FIELDS = {"assistant": {"tool_calls", "reasoning_content"}, "tool": {"tool_call_id"}}
+# Message fields accepted only when empty (no refusals, no audio; tool fields on other roles).
 NEUTRAL_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio", "tool_call_id", "reasoning_content"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's rule for function names.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class APIError(Exception):
@@ -61,9 +62,24 @@ def bad(param: str, message: str) -> APIError:
 
 
 def _show(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages that quote a request's value."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    """``value`` as JSON, cut to ``limit`` characters, for error messages that quote a request's value."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{json.dumps(value[:limit], ensure_ascii=False)[:-1]}... ({len(value)} characters)"
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):  # nested too deeply to write out
+        text = "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else "a value"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters of JSON)"
+
+
+def _alternatives(values: tuple) -> str:
+    """``null, true or false``: the values a field accepts, in JSON."""
+    shown = []
+    for v in values:
+        if not any((v == w and type(v) is type(w)) or (_is_num(v) and _is_num(w) and v == w) for w in shown):
+            shown.append(v)
+    texts = [json.dumps(v) for v in shown]
+    return texts[0] if len(texts) == 1 else f"{', '.join(texts[:-1])} or {texts[-1]}"
 
 
 @dataclass
@@ -94,6 +110,13 @@ class ParsedRequest:
     include_usage: bool
     skip_special_tokens: bool
     model: str
+    # Alternatives listed per token's log-probability entry (-1: no log-probabilities).
+    logprobs: int = -1
+    # Penalties and token controls (frontend/controls.py).
+    controls: dict = field(default_factory=dict)
+    # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").
+    parse_tool_calls: bool = False
+    parallel_tool_calls: bool = True
     extra: dict = field(default_factory=dict)
 
 
@@ -143,18 +166,22 @@ def parse_body(raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8: {e}") from None
+        raise APIError(400, f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                            f"({e.reason})") from None
     try:
         body = json.loads(text)
     except RecursionError:
         raise APIError(400, "the request body nests arrays or objects too deeply: this server parses at most about "
                             f"{sys.getrecursionlimit()} levels") from None
-    except ValueError as e:  # JSONDecodeError; also an integer of more than 4300 digits
+    except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # an integer too long to convert
+        raise APIError(400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, "
+                            "more than this server parses") from None
     if _SURROGATE_ESCAPE.search(text):
         where = _unencodable_field(body)
         if where is not None:
-            raise bad(where, f"{where} holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+            raise bad(where, f"'{where}' holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
                              "not valid Unicode")
     return body
 
@@ -170,91 +197,95 @@ def _encode(param: str, text: str, tokenizer, limits: Limits) -> list[int]:
         if len(text) >= bound:  # a token covers at most max_token_bytes bytes, so at most as many characters
             chars = min(len(text), len(unicodedata.normalize("NFC", text)))
             if chars >= bound:
-                raise bad(param, f"{param} has {chars} characters, so at least {-(-chars // limits.max_token_bytes)} "
+                raise bad(param, f"'{param}' has {chars} characters, so at least {-(-chars // limits.max_token_bytes)} "
                                  f"tokens; the model's context length is {limits.max_model_len}")
     try:
         return tokenizer.encode(text)
     except Exception as e:
-        raise bad(param, f"{param} could not be tokenized: {e}") from None
+        raise bad(param, f"'{param}' could not be tokenized: {e}") from None
     except BaseException as e:
         if not _panic(e):
             raise
-        raise bad(param, f"{param} could not be tokenized (the tokenizer failed: {e}; a very long run of "
+        raise bad(param, f"'{param}' could not be tokenized (the tokenizer failed: {e}; a very long run of "
                          "whitespace can do this)") from None
 
 
-def _check_fields(body: Any, allowed: set[str]) -> None:
+def _check_fields(body: Any, allowed: set[str], neutral: dict[str, tuple] = NEUTRAL) -> None:
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     for key in body:
         if key not in allowed:
             raise bad(key, f"unknown or unsupported field {_show(key)}")
-    for key, values in NEUTRAL.items():
-        if key in body and body[key] not in values:
-            raise bad(key, f"{key}={_show(body[key])} is not supported (accepted: {', '.join(map(repr, values))})")
+    for key, values in neutral.items():  # true is not 1, nor false 0
+        if key in body and not any(body[key] == v and isinstance(body[key], bool) == isinstance(v, bool)
+                                   for v in values):
+            raise bad(key, f"'{key}' must be {_alternatives(values)} (other values are not supported), "
+                           f"got {_show(body[key])}")
 
 
 def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
     model = body.get("model", limits.model_name)
     if not isinstance(model, str):
-        raise bad("model", "model must be a string")
+        raise bad("model", f"'model' must be a string, got {_show(model)}")
     if model != limits.model_name:
-        raise APIError(400, f"the model {_show(model)} does not exist; this server serves {limits.model_name!r}",
+        raise APIError(400, f"the model {_show(model)} does not exist; this server serves {_show(limits.model_name)}",
                        param="model", code="model_not_found")
     temperature = body.get("temperature", 1.0)
     if temperature is None:
         temperature = 1.0
     if not _is_num(temperature) or not 0 <= temperature <= 2:
-        raise bad("temperature", f"temperature must be a number in [0, 2], got {_show(temperature)}")
+        raise bad("temperature", f"'temperature' must be a number between 0 and 2, got {_show(temperature)}")
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0
     top_p = body.get("top_p", 1.0)
     if top_p is None:
         top_p = 1.0
     if not _is_num(top_p) or not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be a number in (0, 1], got {_show(top_p)}")
+        raise bad("top_p", f"'top_p' must be a number greater than 0 and at most 1, got {_show(top_p)}")
     top_k = body.get("top_k", 0)
     if top_k is None:
         top_k = 0
     if not _is_int(top_k) or top_k < -1:
-        raise bad("top_k", f"top_k must be an integer >= -1 (-1 or 0: off), got {_show(top_k)}")
+        raise bad("top_k", f"'top_k' must be an integer, -1 or more (-1 and 0: no limit), got {_show(top_k)}")
     if top_k >= limits.vocab_size:
         top_k = 0  # keeps the whole vocabulary: off
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise bad("seed", f"seed must be a 64-bit integer, got {_show(seed)}")
+        raise bad("seed", f"'seed' must be an integer between -2^63 and 2^63 - 1, got {_show(seed)}")
     stop = body.get("stop")
     if stop is None:
         stop = []
     elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+        raise bad("stop", "'stop' must be a non-empty string or an array of non-empty strings")
     if len(stop) > MAX_STOP_STRINGS:
-        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        raise bad("stop", f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
     flags = {}
     for name, default in (("ignore_eos", False), ("stream", False), ("skip_special_tokens", True)):
         value = body.get(name, default)
         if value is None:
             value = default
         if not isinstance(value, bool):
-            raise bad(name, f"{name} must be a boolean, got {_show(value)}")
+            raise bad(name, f"'{name}' must be true or false, got {_show(value)}")
         flags[name] = value
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not flags["stream"]:
-            raise bad("stream_options", "stream_options is only allowed when stream is true")
+            raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options", "stream_options may only contain include_usage")
+            raise bad("stream_options", "'stream_options' must be an object with only 'include_usage'")
         if options.get("continuous_usage_stats") not in (None, False):
-            raise bad("stream_options.continuous_usage_stats", "continuous_usage_stats is not supported")
+            raise bad("stream_options.continuous_usage_stats",
+                      "'stream_options.continuous_usage_stats' must be false or null (it is not supported)")
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
-            raise bad("stream_options.include_usage", "include_usage must be a boolean")
+            raise bad("stream_options.include_usage",
+                      f"'stream_options.include_usage' must be true or false, got {_show(include_usage)}")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise bad("user", "user must be a string")
+        raise bad("user", f"'user' must be a string, got {_show(user)}")
     return dict(model=model, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                 stop=stop, include_usage=include_usage, **flags)
 
@@ -273,29 +304,30 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, prompt_
         if value > room:
             value = room
     if not _is_int(value) or value < 1:
-        raise bad(name, f"{name} must be an integer >= 1, got {_show(value)}")
+        raise bad(name, f"'{name}' must be an integer, 1 or more, got {_show(value)}")
     if value > room:
-        raise bad(name, f"{name} ({_show(value)}) plus the prompt ({prompt_len} tokens) exceeds the model's context "
+        raise bad(name, f"'{name}' ({_show(value)}) plus the prompt ({prompt_len} tokens) exceeds the model's context "
                         f"length of {limits.max_model_len} tokens")
     return value
 
 
 def _check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
     if not ids:
-        raise bad(param, f"{param} must contain at least one token")
+        raise bad(param, f"'{param}' must contain at least one token")
     if len(ids) >= limits.max_model_len:
-        raise bad(param, f"{param} has {len(ids)} tokens; the model's context length is {limits.max_model_len}")
+        raise bad(param, f"'{param}' has {len(ids)} tokens; the model's context length is {limits.max_model_len}")
     if len(ids) >= limits.kv_capacity:
-        raise bad(param, f"{param} has {len(ids)} tokens; the KV cache holds {limits.kv_capacity}")
+        raise bad(param, f"'{param}' has {len(ids)} tokens; the KV cache holds {limits.kv_capacity}")
     for t in ids:
         if not 0 <= t < limits.vocab_size:
-            raise bad(param, f"token id {t} is outside the vocabulary [0, {limits.vocab_size})")
+            raise bad(param, f"'{param}' holds the token id {_show(t)}, outside the vocabulary (0 to "
+                             f"{limits.vocab_size - 1})")
 
 
 def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, {**NEUTRAL, **TOOL_NEUTRAL})
     if "prompt" not in body:
-        raise bad("prompt", "prompt is required")
+        raise bad("prompt", "'prompt' is required")
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -304,13 +336,17 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     elif isinstance(prompt, list):
-        raise bad("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+        raise bad("prompt", "'prompt' must be a string or an array of token ids (one prompt per request)")
     else:
-        raise bad("prompt", "prompt must be a string or a list of token ids")
+        raise bad("prompt", f"'prompt' must be a string or an array of token ids, got {_show(prompt)}")
     _check_prompt_ids(ids, limits, "prompt")
     params = _sampling(body, limits)
     max_tokens = _max_tokens(body, ("max_tokens",), 16, len(ids), limits)
-    return ParsedRequest(chat=False, prompt_ids=ids, max_tokens=max_tokens, **params)
+    from .controls import parse_controls
+    from .logprobs import parse_logprobs
+
+    return ParsedRequest(chat=False, prompt_ids=ids, max_tokens=max_tokens, logprobs=parse_logprobs(body, chat=False),
+                         controls=parse_controls(body, limits.vocab_size, max_tokens), **params)
 
 
 def _message_text(m: dict, i: int) -> str:
@@ -323,31 +359,196 @@ def _message_text(m: dict, i: int) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", "only text content parts are supported")
+                raise bad(f"messages[{i}].content[{j}]", f"'messages[{i}].content[{j}]' must be a text part "
+                                                         '({"type": "text", "text": "..."}); only text is supported')
             parts.append(part["text"])
         return "".join(parts)
-    raise bad(f"messages[{i}].content", "content must be a string or a list of text parts")
+    raise bad(f"messages[{i}].content",
+              f"'messages[{i}].content' must be a string, null or an array of text parts, got {_show(content)}")
+
+
+def _only_keys(value: dict, param: str, allowed: tuple[str, ...]) -> None:
+    for key in value:
+        if key not in allowed:
+            raise bad(f"{param}.{key}", f"unknown field {_show(key)} in '{param}' (allowed: "
+                                        f"{', '.join(f'{k!r}' for k in allowed)})")
+
+
+def _optional(value: dict, key: str, kind: type, param: str, what: str) -> None:
+    if value.get(key) is not None and not isinstance(value[key], kind):
+        raise bad(f"{param}.{key}", f"'{param}.{key}' must be {what} or null, got {_show(value[key])}")
+
+
+def _tools(body: dict) -> list[dict]:
+    """The request's function tools, as the chat template gets them (null fields left out)."""
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad("tools", f"'tools' must be an array of function tools, got {_show(tools)}")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(param, f"'{param}' must be an object "
+                             '({"type": "function", "function": {"name": ...}})' f", got {_show(tool)}")
+        _only_keys(tool, param, ("type", "function"))
+        if tool.get("type") != "function":
+            raise bad(f"{param}.type", f"'{param}.type' must be \"function\", got {_show(tool.get('type'))}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{param}.function", f"'{param}.function' must be an object with a 'name', "
+                                           f"got {_show(function)}")
+        _only_keys(function, f"{param}.function", ("name", "description", "parameters", "strict"))
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad(f"{param}.function.name", f"'{param}.function.name' must be a string of 1 to 64 letters, "
+                                                f"digits, underscores and dashes, got {_show(name)}")
+        if name in names:
+            raise bad(f"{param}.function.name", f"'{param}.function.name': two tools are named {_show(name)}")
+        names.add(name)
+        _optional(function, "description", str, f"{param}.function", "a string")
+        _optional(function, "parameters", dict, f"{param}.function", "an object (a JSON Schema)")
+        _optional(function, "strict", bool, f"{param}.function", "true, false")
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return out
+
+
+def _tool_choice(body: dict, tools: list[dict]) -> str:
+    """``none``, ``auto``, ``required`` or ``function`` (one named function)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                     '{"type": "function", "function": {"name": ...}}' f", got {_show(choice)}")
+        if choice == "required" and not tools:
+            raise bad("tool_choice", "'tool_choice' \"required\" needs at least one tool in 'tools'")
+        return choice
+    if not isinstance(choice, dict):
+        raise bad("tool_choice", f"'tool_choice' must be a string or an object, got {_show(choice)}")
+    _only_keys(choice, "tool_choice", ("type", "function"))
+    if choice.get("type") != "function":
+        raise bad("tool_choice.type", f"'tool_choice.type' must be \"function\", got {_show(choice.get('type'))}")
+    function = choice.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad("tool_choice.function", "'tool_choice.function' must be an object with a 'name' (a string), "
+                                          f"got {_show(function)}")
+    _only_keys(function, "tool_choice.function", ("name",))
+    if function["name"] not in {t["function"]["name"] for t in tools}:
+        raise bad("tool_choice.function.name", f"'tool_choice.function.name' is {_show(function['name'])}, "
+                                               "which names no function in 'tools'")
+    return "function"
+
+
+def _tool_calls(m: dict, i: int) -> list[dict]:
+    """An assistant message's ``tool_calls``, as the chat template gets them."""
+    calls = m.get("tool_calls")
+    if not calls:
+        return []
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad(param, f"'{param}' must be an array, got {_show(calls)}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{param}[{j}]"
+        if not isinstance(call, dict):
+            raise bad(at, f"'{at}' must be an object, got {_show(call)}")
+        _only_keys(call, at, ("id", "type", "function", "index"))
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", f"'{at}.type' must be \"function\", got {_show(call.get('type'))}")
+        _optional(call, "id", str, at, "a string")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{at}.function", f"'{at}.function' must be an object with 'name' and 'arguments', "
+                                        f"got {_show(function)}")
+        _only_keys(function, f"{at}.function", ("name", "arguments"))
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad(f"{at}.function.name", f"'{at}.function.name' must be a non-empty string, "
+                                             f"got {_show(function.get('name'))}")
+        if not isinstance(function.get("arguments"), str):
+            raise bad(f"{at}.function.arguments", f"'{at}.function.arguments' must be a string (the arguments "
+                                                  f"as JSON text), got {_show(function.get('arguments'))}")
+        out.append({"id": call.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": function["name"], "arguments": function["arguments"]}})
+    return out
+
+
+def _no_special_text(value: Any, param: str, tokenizer) -> None:
+    """The chat template renders tools and tool calls as template text, where a special-token string
+    would become a control token: refuse one there (message content may hold them, as plain text)."""
+    specials = [s for s in tokenizer.special_strings() if s]
+    stack = [(param, value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            hit = next((s for s in specials if s in item), None)
+            if hit is not None:
+                raise bad(path, f"'{path}' contains {_show(hit)}, a special token of this model; only message "
+                                "content may contain special-token text")
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                stack += [(f"{path}.{key}", key), (f"{path}.{key}", sub)]
+        elif isinstance(item, list):
+            stack += [(f"{path}[{k}]", sub) for k, sub in enumerate(item)]
+
+
+def _render_message(m: Any, i: int) -> dict:
+    """A request message as the chat template gets it."""
+    if not isinstance(m, dict):
+        raise bad(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_show(m)}")
+    role = m.get("role")
+    if role is None:
+        raise bad(f"messages[{i}].role", f"'messages[{i}].role' is required")
+    if role not in ROLES:
+        raise bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(map(json.dumps, ROLES))}, "
+                                         f"got {_show(role)}")
+    own = ROLE_FIELDS.get(role, set())
+    for key, value in m.items():
+        if key not in MESSAGE_FIELDS and key not in own and not (key in NEUTRAL_MESSAGE_FIELDS and not value):
+            where = [r for r, fields in ROLE_FIELDS.items() if key in fields]
+            only = f" (only on {where[0]} messages)" if where else ""
+            raise bad(f"messages[{i}].{key}", f"unsupported message field {_show(key)}{only}")
+    out = {"role": "system" if role == "developer" else role, "content": _message_text(m, i)}
+    if role == "assistant":
+        calls = _tool_calls(m, i)
+        if calls:
+            out["tool_calls"] = calls
+        _optional(m, "reasoning_content", str, f"messages[{i}]", "a string")
+        if m.get("reasoning_content"):
+            out["reasoning_content"] = m["reasoning_content"]
+    elif role == "tool":
+        _optional(m, "tool_call_id", str, f"messages[{i}]", "a string")
+        if m.get("tool_call_id"):
+            out["tool_call_id"] = m["tool_call_id"]
+    return out
 
 
 def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequest:
     _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages", "messages must be a non-empty list")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}]", "each message must be an object")
-        for key, value in m.items():
-            if key not in MESSAGE_FIELDS and not (key in NEUTRAL_MESSAGE_FIELDS and not value):
-                raise bad(f"messages[{i}].{key}", f"unsupported message field {_show(key)}")
-        role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad(f"messages[{i}].role", f"unsupported role {_show(role)}")
-        rendered.append({"role": "system" if role == "developer" else role, "content": _message_text(m, i)})
+        raise bad("messages", f"'messages' must be a non-empty array, got {_show(messages)}")
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"'parallel_tool_calls' must be true, false or null, got {_show(parallel)}")
+    _no_special_text(tools, "tools", tokenizer)
+    rendered = [_render_message(m, i) for i, m in enumerate(messages)]
+    for i, m in enumerate(rendered):
+        for key in ("tool_calls", "reasoning_content"):
+            if key in m:
+                _no_special_text(m[key], f"messages[{i}].{key}", tokenizer)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
-        raise bad("chat_template_kwargs", "chat_template_kwargs must be an object")
+        raise bad("chat_template_kwargs", f"'chat_template_kwargs' must be an object, got {_show(kwargs)}")
+    for key in ("messages", "add_generation_prompt", "encode_content"):
+        if key in kwargs:
+            raise bad(f"chat_template_kwargs.{key}", f"'chat_template_kwargs.{key}' is set by the server")
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     try:
         ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
                                             encode_content=answers.lookup if answers else None, **kwargs)
@@ -362,7 +563,13 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     params = _sampling(body, limits)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.default_max_tokens or None,
                              len(ids), limits)
-    return ParsedRequest(chat=True, prompt_ids=ids, max_tokens=max_tokens, **params)
+    from .controls import parse_controls
+    from .logprobs import parse_logprobs
+
+    return ParsedRequest(chat=True, prompt_ids=ids, max_tokens=max_tokens, logprobs=parse_logprobs(body, chat=True),
+                         controls=parse_controls(body, limits.vocab_size, max_tokens),
+                         parse_tool_calls=bool(tools) and choice != "none", parallel_tool_calls=parallel is not False,
+                         **params)
 
 
 def usage_body(usage) -> dict[str, Any]:

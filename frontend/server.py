@@ -25,7 +25,9 @@ from ..sizing import pool_sizes
 from ..tokenizer import load_tokenizer
 from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
+from .parsers import ChatOutput, thinking_closed
 from .protocol import (
     APIError,
     Limits,
@@ -147,8 +149,10 @@ class Frontend:
         queue = await self.client.submit(GenerateReq(
             rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
             sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
-                                    seed=parsed.seed),
-            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens))
+                                    seed=parsed.seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
+            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
+            stop_token_ids=parsed.controls["stop_token_ids"],
+            include_stop_str_in_output=parsed.controls["include_stop_str_in_output"]))
         state: dict = {}  # "first": a token arrived; "finished": the request ended on the server
         try:
             if parsed.stream:
@@ -203,20 +207,47 @@ class Frontend:
         if parsed.chat and reason in ("stop", "length"):
             self.answers.remember(text, ids, self.tokenizer)
 
+    def _output(self, parsed: ParsedRequest) -> ChatOutput | None:
+        """The parser of a chat answer's reasoning and tool calls (None: the text as generated)."""
+        reasoning = self.args.reasoning_parser is not None
+        if not parsed.chat or not (reasoning or parsed.parse_tool_calls):
+            return None
+        return ChatOutput(self.tokenizer, parsed.stop, parsed.skip_special_tokens,
+                          not thinking_closed(self.tokenizer, parsed.prompt_ids) if reasoning else None,
+                          parsed.parse_tool_calls, parsed.parallel_tool_calls,
+                          include_stop=parsed.controls.get("include_stop_str_in_output", False))
+
+    def _logprobs(self, parsed: ParsedRequest, ids: list[int], entries: list, offset: int) -> dict | None:
+        """The ``logprobs`` of a choice or chunk covering tokens ``ids`` (None when not asked)."""
+        if parsed.logprobs < 0:
+            return None
+        ids = ids[:len(entries)]
+        if parsed.chat:
+            return chat_logprobs(self.tokenizer, ids, entries)
+        return completion_logprobs(self.tokenizer, ids, entries, offset)
+
     async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict) -> web.Response:
-        parts, ids = [], []
+        parts, ids, entries = [], [], []
         while True:
             delta = await self._next(queue, state, arrival)
             parts.append(delta.text)
             ids += delta.token_ids
+            entries += delta.logprobs or []
             if delta.finished:
                 break
         if delta.finish_reason == "error":
             raise self._failure(delta)
-        self._remember(parsed, "".join(parts), ids, delta.finish_reason)
+        text, reason, output = "".join(parts), delta.finish_reason, self._output(parsed)
+        if output is not None:
+            output.feed(ids, finished=True)
+            text, reason = output.content, output.finish_reason(reason)
+        self._remember(parsed, text, ids, delta.finish_reason)
         usage = delta.usage or Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0)
-        return _json(full_response(rid, int(time.time()), parsed.model, parsed.chat, "".join(parts),
-                                   delta.finish_reason, usage))
+        body = full_response(rid, int(time.time()), parsed.model, parsed.chat, text, reason, usage)
+        if output is not None:
+            body["choices"][0]["message"].update(output.message())
+        body["choices"][0]["logprobs"] = self._logprobs(parsed, ids, entries, 0)
+        return _json(body)
 
     async def _stream(self, request, rid: str, parsed: ParsedRequest, queue, arrival,
                       state: dict) -> web.StreamResponse:
@@ -230,12 +261,25 @@ class Frontend:
         if parsed.chat:
             await response.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)))
         parts, ids = [], []
+        pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
+        output = self._output(parsed)
         while True:
             parts.append(delta.text)
             ids += delta.token_ids
-            if delta.text:
+            pending_ids += delta.token_ids
+            pending_entries += delta.logprobs or []
+            if output is not None:  # reasoning, content and tool-call deltas of the parsed text
+                for message in output.feed(delta.token_ids, finished=delta.finished):
+                    chunk = chat_chunk(rid, created, model, message, None)
+                    chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
+                    pending_ids, pending_entries = [], []
+                    await response.write(_sse(chunk))
+            elif delta.text:
                 chunk = chat_chunk(rid, created, model, {"content": delta.text}, None) if parsed.chat \
                     else completion_chunk(rid, created, model, delta.text, None)
+                chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
+                pending_ids, pending_entries = [], []
+                sent += len(delta.text)
                 await response.write(_sse(chunk))
             if delta.finished:
                 break
@@ -244,9 +288,12 @@ class Frontend:
             err = APIError(500, delta.error or "the request failed", type_="server_error")
             await response.write(_sse(err.body()))
         else:
-            self._remember(parsed, "".join(parts), ids, delta.finish_reason)
-            final = chat_chunk(rid, created, model, {}, delta.finish_reason) if parsed.chat \
+            self._remember(parsed, output.content if output else "".join(parts), ids, delta.finish_reason)
+            reason = output.finish_reason(delta.finish_reason) if output else delta.finish_reason
+            final = chat_chunk(rid, created, model, {}, reason) if parsed.chat \
                 else completion_chunk(rid, created, model, "", delta.finish_reason)
+            if pending_entries:
+                final["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
             await response.write(_sse(final))
             if parsed.include_usage and delta.usage is not None:
                 await response.write(_sse(usage_chunk(rid, created, model, parsed.chat, delta.usage)))
