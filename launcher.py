@@ -33,7 +33,7 @@ from .messages import ExecutorFailed, FrontendInbound, Ready, Shutdown
 
 logger = logging.getLogger(__name__)
 DEMO_PRESET = "small"
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # bumped when what `tidal checkpoint` writes changes (2: tool and reasoning template)
 READY_TIMEOUT = 1800.0
 FAIL_GRACE = 1.0  # seconds the frontend gets to send its error answers before processes are stopped
 Role = tuple[str, int | None]
