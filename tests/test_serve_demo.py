@@ -13,6 +13,8 @@ import urllib.request
 
 from server_harness import child_pids, free_port
 
+from tidal.launcher import DEMO_VERSION
+
 
 def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -50,7 +52,7 @@ def test_demo_model_503_until_ready_then_serves(tmp_path):
         assert seen_503 is not None, "the frontend never answered before the mesh was ready"
         assert seen_503[0]["status"] == "unavailable"
         assert seen_503[1] == 503 and seen_503[2]["error"]["type"] == "service_unavailable"
-        assert os.path.exists(tmp_path / "tidal" / "demo-small-v1" / ".complete")
+        assert os.path.exists(tmp_path / "tidal" / f"demo-small-v{DEMO_VERSION}" / ".complete")
         status, models = _get(url + "/v1/models")
         assert [m["id"] for m in models["data"]] == ["tidal-demo"]
         status, out = _get(url + "/v1/chat/completions", json.dumps(
