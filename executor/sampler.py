@@ -7,31 +7,47 @@ import torch
 
 from ..messages import SamplingParams, SegmentSpec
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _seeded_generator(device: torch.device, seed: int, index: int) -> torch.Generator:
-    """A generator that depends only on (seed, output index): a seeded request samples the same
-    tokens whatever it is batched with, and after a prefix-cache hit."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * _SEED_MIX + index) % (2**63 - 1))
-    return gen
+# splitmix64 constants, as signed 64-bit integers (torch multiplies int64 with wrap-around).
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_STREAM = _signed(0xD6E8FEB86659FD93)
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus, keeps at least one token) on one row."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the tokens ranked above it already reach top_p.
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniform(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), ``[rows, vocab]``, a pure function of (seed, output index, token id)
+    (splitmix64 over a counter): a seeded request draws the same numbers whatever it is batched with,
+    on any device."""
+    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds[:, None] * _GOLDEN + indices[:, None] * _STREAM) + tokens[None, :] * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).to(torch.float64) + 0.5).mul_(2.0 ** -53).to(torch.float32)
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Rows of ``logits [N, V]`` divided by their temperature, then top-k (``k`` tokens, 0: off), then
+    top-p (the smallest nucleus reaching ``p``, at least one token) masked to -inf; one sort for all."""
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    keep = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    # Drop a token once the tokens ranked above it already reach top_p.
+    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
+    keep[:, 0] = True
+    return logits.masked_fill(~torch.zeros_like(keep).scatter(1, order, keep), float("-inf"))
 
 
 class TokenCounts:
@@ -114,10 +130,25 @@ class Sampler:
             return []
         logits = adjust_logits(logits, params, indices, counts)
         out = torch.argmax(logits, dim=-1)
-        for row, (p, index) in enumerate(zip(params, indices, strict=True)):
-            if p.greedy:
-                continue
-            probs = torch.softmax(filter_logits(logits[row], p), dim=-1)
-            gen = self.generator if p.seed is None else _seeded_generator(self.device, p.seed, index)
-            out[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        rows = [r for r, p in enumerate(params) if not p.greedy]
+        if rows:
+            # Gumbel-max: argmax(logits / T + Gumbel noise) samples softmax(logits / T), every row at once.
+            device = logits.device
+            picked = [params[r] for r in rows]
+            vocab = logits.shape[-1]
+            temperature = torch.tensor([p.temperature for p in picked], dtype=logits.dtype, device=device)
+            filtered = logits[torch.tensor(rows, device=device)]
+            if any(0 < p.top_k < vocab or p.top_p < 1 for p in picked):
+                filtered = filter_logits(filtered, temperature, torch.tensor([p.top_k for p in picked], device=device),
+                                         torch.tensor([p.top_p for p in picked], dtype=logits.dtype, device=device))
+            else:
+                filtered = filtered / temperature[:, None]
+            uniform = torch.rand(filtered.shape, generator=self.generator, device=device)
+            seeded = [j for j, p in enumerate(picked) if p.seed is not None]
+            if seeded:
+                seeds = torch.tensor([picked[j].seed for j in seeded], dtype=torch.int64, device=device)
+                index = torch.tensor([indices[rows[j]] for j in seeded], dtype=torch.int64, device=device)
+                uniform[torch.tensor(seeded, device=device)] = seeded_uniform(seeds, index, filtered.shape[-1])
+            gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
+            out[torch.tensor(rows, device=device)] = torch.argmax(filtered + gumbel, dim=-1)
         return out.tolist()

@@ -5,23 +5,57 @@ from __future__ import annotations
 import torch
 
 from tidal import LLM
-from tidal.executor.sampler import Sampler, filter_logits
+from tidal.executor.sampler import Sampler, filter_logits, seeded_uniform
 from tidal.messages import SamplingParams
 
 
-def test_top_k_keeps_exactly_k():
-    logits = torch.tensor([0.1, 3.0, 2.0, -1.0, 2.5])
-    out = filter_logits(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert torch.isfinite(out).nonzero().flatten().tolist() == [1, 4]
+def reference_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row, step by step: temperature, top-k, then top-p over what top-k kept."""
+    out = logits / p.temperature
+    if 0 < p.top_k < out.shape[-1]:
+        kept = torch.topk(out, p.top_k).indices
+        out = torch.full_like(out, float("-inf")).index_copy(0, kept, out[kept])
+    if p.top_p < 1:
+        probs = torch.softmax(out, dim=-1)
+        total, dropped = 0.0, torch.zeros_like(out, dtype=torch.bool)
+        for token in torch.argsort(out, descending=True).tolist():
+            if total >= p.top_p:
+                dropped[token] = True
+            total += float(probs[token])
+        out = out.masked_fill(dropped, float("-inf"))
+    return out
 
 
-def test_top_p_keeps_smallest_nucleus():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    out = filter_logits(probs.log(), SamplingParams(temperature=1.0, top_p=0.75))
-    assert torch.isfinite(out).nonzero().flatten().tolist() == [0, 1]
-    # The top token always survives, however small top_p is.
-    out = filter_logits(probs.log(), SamplingParams(temperature=1.0, top_p=0.01))
-    assert torch.isfinite(out).nonzero().flatten().tolist() == [0]
+def test_filter_logits_matches_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 40, generator=gen) * 2
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=0.7, top_p=0.75),
+              SamplingParams(temperature=1.3, top_k=5, top_p=0.5), SamplingParams(temperature=1.0, top_p=0.01),
+              SamplingParams(temperature=2.0), SamplingParams(temperature=1.0, top_k=40)]
+    got = filter_logits(logits, torch.tensor([p.temperature for p in params]),
+                        torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+    for row, p in enumerate(params):
+        torch.testing.assert_close(got[row], reference_filter(logits[row], p))
+    assert torch.isfinite(got[0]).sum() == 2 and torch.isfinite(got[3]).sum() == 1  # the top token survives
+
+
+def test_seeded_uniform_is_a_function_of_seed_index_token():
+    seeds, index = torch.tensor([7, 7, 8]), torch.tensor([0, 1, 0])
+    u = seeded_uniform(seeds, index, 1000)
+    assert ((u > 0) & (u < 1)).all()
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    torch.testing.assert_close(seeded_uniform(seeds[1:2], index[1:2], 1000)[0], u[1], rtol=0, atol=0)
+    assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.var()) - 1 / 12) < 0.005
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    sampler = Sampler(torch.device("cpu"), seed=2)
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]]).repeat(6000, 1)
+    for p in (SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.8, seed=11)):
+        ids = sampler(logits, [p] * 6000, list(range(6000)))
+        freq = torch.bincount(torch.tensor(ids), minlength=4).float() / 6000
+        expected = torch.softmax(reference_filter(logits[0], p), dim=0)
+        assert (freq - expected).abs().max() < 0.025, (p, freq, expected)
 
 
 def test_sampling_frequencies_follow_temperature():
