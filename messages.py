@@ -75,6 +75,9 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     stop_token_ids: list[int] = []
     skip_special_tokens: bool = True  # applied by the detokenizer
     include_stop_str_in_output: bool = False  # applied by the detokenizer
+    # Admit only once this request has computed its prompt (the other choices of an ``n > 1``
+    # request: they find the prompt in the prefix cache instead of computing it again).
+    after: str | None = None
 
 
 class AbortReq(Struct, tag="AbortReq", omit_defaults=True):

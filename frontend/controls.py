@@ -1,4 +1,4 @@
-"""Penalties and token controls of a request: ``presence_penalty``, ``frequency_penalty``,
+"""Choices, penalties and token controls of a request: ``n``, ``presence_penalty``, ``frequency_penalty``,
 ``repetition_penalty``, ``logit_bias``, ``min_tokens``, ``stop_token_ids`` and
 ``include_stop_str_in_output``. The executor applies the logit changes on the device, batched."""
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from .protocol import bad
 
+MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 
@@ -36,7 +37,8 @@ def _token_id(value: Any, vocab: int) -> bool:
 
 
 def parse_controls(body: dict, vocab_size: int, max_tokens: int) -> dict[str, Any]:
-    """``{"sampling": SamplingParams fields, "stop_token_ids": [...], "include_stop_str_in_output": bool}``."""
+    """``{"sampling": SamplingParams fields, "stop_token_ids": [...], "include_stop_str_in_output": bool,
+    "n": choices}``."""
     sampling: dict[str, Any] = {
         "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -70,4 +72,9 @@ def parse_controls(body: dict, vocab_size: int, max_tokens: int) -> dict[str, An
         include = False
     if not isinstance(include, bool):
         raise bad("include_stop_str_in_output", "'include_stop_str_in_output' must be a boolean")
-    return {"sampling": sampling, "stop_token_ids": stop_ids, "include_stop_str_in_output": include}
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"'n' must be an integer between 1 and {MAX_CHOICES}")
+    return {"sampling": sampling, "stop_token_ids": stop_ids, "include_stop_str_in_output": include, "n": n}

@@ -2,7 +2,7 @@
 
 Every field a request may carry is listed here. Unknown fields and unsupported values are
 rejected with a 400 naming the field; fields that OpenAI clients commonly send at their neutral
-value (``n: 1``, ``best_of: 1`` ...) are accepted at that value only.
+value (``best_of: 1``, ``echo: false`` ...) are accepted at that value only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 # Fields accepted only at these neutral values.
 NEUTRAL = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": (None,),
@@ -26,9 +25,9 @@ NEUTRAL = {
 # Chat fields that completions accept only at these neutral values.
 TOOL_NEUTRAL = {"parallel_tool_calls": (None, True, False), "tools": (None, []), "tool_choice": (None, "none", "auto")}
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
-                 "stream_options", "user", "skip_special_tokens", "logprobs", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-                 *NEUTRAL}
+                 "stream_options", "user", "skip_special_tokens", "logprobs", "n", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
+                 "include_stop_str_in_output", *NEUTRAL}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", *TOOL_NEUTRAL}
 CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "messages", "max_completion_tokens", "chat_template_kwargs", "metadata",
                                "store", "tools", "tool_choice", "parallel_tool_calls"}

@@ -146,24 +146,47 @@ class Frontend:
         # prompt must not stall every other stream and /health on the event loop.
         parsed = await asyncio.to_thread(self._parse, raw, chat)
         rid = uuid.uuid4().hex
-        queue = await self.client.submit(GenerateReq(
-            rid=rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
-            sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
-                                    seed=parsed.seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
-            ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
-            stop_token_ids=parsed.controls["stop_token_ids"],
-            include_stop_str_in_output=parsed.controls["include_stop_str_in_output"]))
-        state: dict = {}  # "first": a token arrived; "finished": the request ended on the server
+        n = parsed.controls.get("n", 1)
+        # Choice i > 0 is its own request, admitted once choice 0 has computed the prompt (it finds the
+        # prompt in the prefix cache); with a seed, choice i samples with seed + i.
+        rids = [rid] + [f"{rid}.{i}" for i in range(1, n)]
+        queues = []
+        for i, choice_rid in enumerate(rids):
+            seed = None if parsed.seed is None else (parsed.seed + i + 2**63) % 2**64 - 2**63
+            queues.append(await self.client.submit(GenerateReq(
+                rid=choice_rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
+                sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+                                        seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
+                ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
+                stop_token_ids=parsed.controls["stop_token_ids"],
+                include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
+                after=None if i == 0 else rid)))
+        # Per choice: "first": a token arrived; "finished": the request ended on the server.
+        states: list[dict] = [{} for _ in rids]
         try:
             if parsed.stream:
-                return await self._stream(request, rid, parsed, queue, arrival, state)
-            return await self._collect(rid, parsed, queue, arrival, state)
+                return await self._stream(request, rids, parsed, queues, arrival, states)
+            results = await asyncio.gather(*(self._collect(r, parsed, q, arrival, st)
+                                             for r, q, st in zip(rids, queues, states, strict=True)))
+            return _json(self._merge(results))
         finally:
-            if state.get("finished"):
-                self.client.release(rid)
-            else:  # client gone or handler failed: free everything the request holds
-                self.metrics.finished("abort", None)
-                asyncio.get_running_loop().create_task(self.client.abort(rid))
+            for choice_rid, state in zip(rids, states, strict=True):
+                if state.get("finished"):
+                    self.client.release(choice_rid)
+                else:  # client gone or handler failed: free everything the request holds
+                    self.metrics.finished("abort", None)
+                    asyncio.get_running_loop().create_task(self.client.abort(choice_rid))
+
+    @staticmethod
+    def _merge(results: list[dict]) -> dict:
+        """One response of several choices: the prompt counted once, the completions summed."""
+        body = results[0]
+        if len(results) > 1:
+            body["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(results)]
+            completion = sum(r["usage"]["completion_tokens"] for r in results)
+            body["usage"]["completion_tokens"] = completion
+            body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + completion
+        return body
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.args.max_request_bytes
@@ -226,7 +249,7 @@ class Frontend:
             return chat_logprobs(self.tokenizer, ids, entries)
         return completion_logprobs(self.tokenizer, ids, entries, offset)
 
-    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict) -> web.Response:
+    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict) -> dict:
         parts, ids, entries = [], [], []
         while True:
             delta = await self._next(queue, state, arrival)
@@ -247,19 +270,45 @@ class Frontend:
         if output is not None:
             body["choices"][0]["message"].update(output.message())
         body["choices"][0]["logprobs"] = self._logprobs(parsed, ids, entries, 0)
-        return _json(body)
+        return body
 
-    async def _stream(self, request, rid: str, parsed: ParsedRequest, queue, arrival,
-                      state: dict) -> web.StreamResponse:
+    async def _stream(self, request, rids: list[str], parsed: ParsedRequest, queues: list, arrival,
+                      states: list[dict]) -> web.StreamResponse:
         created, model = int(time.time()), parsed.model
-        delta = await self._next(queue, state, arrival)
+        first = await self._next(queues[0], states[0], arrival)
         # Errors before the first token (admission) still get a proper status and error body.
-        if delta.finished and delta.finish_reason == "error" and not delta.text:
-            raise self._failure(delta)
+        if first.finished and first.finish_reason == "error" and not first.text:
+            raise self._failure(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        lock = asyncio.Lock()
+
+        async def write(chunk: dict, index: int) -> None:
+            for choice in chunk.get("choices", []):
+                choice["index"] = index
+            async with lock:
+                await response.write(_sse(chunk))
+
+        usages = await asyncio.gather(*(
+            self._stream_choice(write, i, rids[0], parsed, queues[i], arrival, states[i], created,
+                                first if i == 0 else None)
+            for i in range(len(rids))))
+        if parsed.include_usage and all(u is not None for u in usages):
+            usage = usages[0]
+            usage.completion_tokens = sum(u.completion_tokens for u in usages)
+            await response.write(_sse(usage_chunk(rids[0], created, model, parsed.chat, usage)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _stream_choice(self, write, index: int, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
+                             created: int, delta: TextDelta | None) -> Usage | None:
+        """One choice's chunks (``index``); its usage, or ``None`` when it failed."""
+        model = parsed.model
+        if delta is None:
+            delta = await self._next(queue, state, arrival)
         if parsed.chat:
-            await response.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None)))
+            await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index)
         parts, ids = [], []
         pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
         output = self._output(parsed)
@@ -273,33 +322,29 @@ class Frontend:
                     chunk = chat_chunk(rid, created, model, message, None)
                     chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
                     pending_ids, pending_entries = [], []
-                    await response.write(_sse(chunk))
+                    await write(chunk, index)
             elif delta.text:
                 chunk = chat_chunk(rid, created, model, {"content": delta.text}, None) if parsed.chat \
                     else completion_chunk(rid, created, model, delta.text, None)
                 chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
                 pending_ids, pending_entries = [], []
                 sent += len(delta.text)
-                await response.write(_sse(chunk))
+                await write(chunk, index)
             if delta.finished:
                 break
             delta = await self._next(queue, state, arrival)
         if delta.finish_reason == "error":
             err = APIError(500, delta.error or "the request failed", type_="server_error")
-            await response.write(_sse(err.body()))
-        else:
-            self._remember(parsed, output.content if output else "".join(parts), ids, delta.finish_reason)
-            reason = output.finish_reason(delta.finish_reason) if output else delta.finish_reason
-            final = chat_chunk(rid, created, model, {}, reason) if parsed.chat \
-                else completion_chunk(rid, created, model, "", delta.finish_reason)
-            if pending_entries:
-                final["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
-            await response.write(_sse(final))
-            if parsed.include_usage and delta.usage is not None:
-                await response.write(_sse(usage_chunk(rid, created, model, parsed.chat, delta.usage)))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            await write(err.body(), index)
+            return None
+        self._remember(parsed, output.content if output else "".join(parts), ids, delta.finish_reason)
+        reason = output.finish_reason(delta.finish_reason) if output else delta.finish_reason
+        final = chat_chunk(rid, created, model, {}, reason) if parsed.chat \
+            else completion_chunk(rid, created, model, "", delta.finish_reason)
+        if pending_entries:
+            final["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
+        await write(final, index)
+        return delta.usage
 
 
 async def serve_frontend(args: ServerArgs, model_path: str) -> None:

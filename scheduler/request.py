@@ -55,6 +55,7 @@ class Request:
     prefill_len: int = 0
     pages_sent: int = 0  # page-table entries the executor already holds for this request's slot
     history_sent: bool = False  # the executor holds this request's token counts (penalties)
+    after: str | None = None  # admitted only once that request's prompt is computed
     admitted: bool = False  # PromptAdmitted went out (once per request, even if preempted later)
     match_keys: list[bytes] | None = None  # prefix-cache chain hashes of the prefill tokens, kept
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
@@ -69,7 +70,8 @@ class Request:
         if sampling.min_tokens > 0:  # what min_tokens holds back: whatever would end the request
             sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(stops))
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=sampling,
-                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids))
+                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids),
+                   after=msg.after)
 
     @property
     def prompt_len(self) -> int:

@@ -332,6 +332,10 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.args.max_running_requests:
             req = self.waiting[0]
+            if req.after is not None:
+                first = self.requests.get(req.after)
+                if first is not None and (first.status is Status.WAITING or not first.prefill_done):
+                    break  # its prompt is on the way into the prefix cache
             if self.slots.num_free == 0 or not self._take_memory(req):
                 break
             self.waiting.popleft()

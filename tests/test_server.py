@@ -178,7 +178,7 @@ BAD_REQUESTS = [
     ("negative max_tokens", {"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ("huge max_tokens", {"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
     ("negative temperature", {"prompt": "x", "temperature": -0.5}, "temperature"),
-    ("n > 1", {"prompt": "x", "n": 2}, "n"),
+    ("n above the limit", {"prompt": "x", "n": 17}, "n"),
     ("token id outside vocabulary", {"prompt": [5, 248320, 7]}, "prompt"),
     ("negative token id", {"prompt": [5, -1]}, "prompt"),
     ("prompt longer than context", {"prompt": list(range(1, MAX_MODEL_LEN + 5))}, "prompt"),

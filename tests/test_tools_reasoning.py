@@ -236,7 +236,7 @@ def test_completions_accept_tool_fields_only_at_neutral_values(calls_server):
 # ---- error messages in JSON terms ---------------------------------------------------------------
 @pytest.mark.parametrize("body,param,message", [
     ({"temperature": True}, "temperature", "'temperature' must be a number between 0 and 2, got true"),
-    ({"n": 3}, "n", "'n' must be 1 (other values are not supported), got 3"),
+    ({"best_of": 3}, "best_of", "'best_of' must be 1 (other values are not supported), got 3"),
     ({"response_format": {"type": "json_object"}}, "response_format", "'response_format' must be null or "
      '{"type": "text"} (other values are not supported), got {"type": "json_object"}'),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true, false or null, got \"no\""),
@@ -247,7 +247,7 @@ def test_completions_accept_tool_fields_only_at_neutral_values(calls_server):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "got \"robot\""),
     ({"model": "m" * 100_000}, "model", "(100000 characters) does not exist; this server serves \"tiny\""),
     ({"stop": [None]}, "stop", "an array of non-empty strings"),
-    ({"n": True}, "n", "'n' must be 1 (other values are not supported), got true"),
+    ({"n": True}, "n", "'n' must be an integer between 1 and 16"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages", "is set by the server"),
 ])
 def test_error_messages_speak_json(calls_server, body, param, message):
