@@ -52,11 +52,17 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
     # the scheduler) cannot be sampled.
     min_tokens: int = 0
     min_tokens_ban: list[int] = []
+    # Structured output: an llguidance grammar (``response_format``); only tokens it allows are sampled.
+    grammar: str | None = None
 
     @property
     def penalized(self) -> bool:
-        """Whether sampling needs the request's token history."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the executor follows the request's generated tokens (penalty counts, grammar state)."""
+        return self.penalized or self.grammar is not None
 
     @property
     def greedy(self) -> bool:
@@ -192,9 +198,9 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     sample_index: int = 0
     exports: list[list[int]] = []
     want_logits: bool = False
-    # For a request with penalties, on its first sampling segment after admission (or resumption):
-    # its prompt ids (when the repetition penalty needs them) followed by the ids generated so far;
-    # the executor keeps the counts from there.
+    # For a request with penalties or a grammar, on its first sampling segment after admission (or
+    # resumption): its prompt ids (when the repetition penalty needs them) followed by the ids
+    # generated so far; the executor keeps its counts and grammar state from there.
     history: list[int] | None = None
     history_prompt: int = 0
 

@@ -18,6 +18,7 @@ from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
 from .sampler import Sampler, TokenCounts
+from .structured import GrammarStates
 
 GREEDY = SamplingParams()
 logger = logging.getLogger(__name__)
@@ -35,12 +36,14 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: Qwen4ExpForCausalLM, config: ModelConfig, kv: KVPool, states: StatePool,
-                 device: torch.device | str, seed: int = 0, expert_store: ExpertStore | None = None):
+                 device: torch.device | str, seed: int = 0, expert_store: ExpertStore | None = None,
+                 model_path: str | None = None):
         self.model, self.config = model, config
         self.kv, self.states = kv, states
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
         self.counts = TokenCounts(self.device)
+        self.grammars = GrammarStates(model_path, config.eos_token_ids)
         self.expert_store = expert_store
         self.hc_shard_forwards = 0
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
@@ -105,12 +108,16 @@ class ModelRunner:
         if sampled:
             last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
             counts = self.counts.rows([specs[i] for i in sampled], logits.shape[-1])
-            ids = self.sampler(logits[last_rows], [specs[i].sampling or GREEDY for i in sampled],
+            matchers = self.grammars.rows([specs[i] for i in sampled])
+            rows = logits[last_rows]
+            self.grammars.mask(rows, matchers)
+            ids = self.sampler(rows, [specs[i].sampling or GREEDY for i in sampled],
                                [specs[i].sample_index for i in sampled], counts)
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted
             self.counts.count(counts, [out.token_ids[i] for i in sampled])
+            self.grammars.advance(matchers, [out.token_ids[i] for i in sampled])
             self._logprobs(out, logits[last_rows], [specs[i] for i in sampled], sampled)
         return out
 
@@ -247,7 +254,7 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
                             {i: e.down_proj.data for i, e in experts.items()}, slots, device)
         for e in experts.values():
             e.store = store
-    return ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store)
+    return ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
 
 
 def expert_cache_auto(args, config: ModelConfig, kv: KVPool, experts: dict, device: str) -> int:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -72,9 +73,54 @@ def parse_controls(body: dict, vocab_size: int, max_tokens: int) -> dict[str, An
         include = False
     if not isinstance(include, bool):
         raise bad("include_stop_str_in_output", "'include_stop_str_in_output' must be a boolean")
+    grammar = _response_format(body)
+    if grammar is not None:
+        sampling["grammar"] = grammar
     n = body.get("n", 1)
     if n is None:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise bad("n", f"'n' must be an integer between 1 and {MAX_CHOICES}")
     return {"sampling": sampling, "stop_token_ids": stop_ids, "include_stop_str_in_output": include, "n": n}
+
+
+def _response_format(body: dict) -> str | None:
+    """The llguidance grammar of ``response_format`` (``json_object``, ``json_schema``), or ``None``.
+
+    JSON is generated compact (no free whitespace between tokens): a model that wanders would
+    otherwise fill ``max_tokens`` with blanks."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise bad("response_format.json_schema", "'response_format.json_schema' must be an object with a "
+                                                     "'schema' object")
+        if spec.get("strict") not in (None, True, False):
+            raise bad("response_format.json_schema.strict", "'strict' must be true or false")
+        schema = spec.get("schema", {})
+    else:
+        raise bad("response_format", "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\"")
+    if body.get("ignore_eos"):
+        raise bad("ignore_eos", "'ignore_eos' cannot be used with 'response_format': the grammar ends the answer")
+    try:
+        import llguidance
+        from llguidance import LLMatcher
+    except ImportError:
+        raise bad("response_format", "'response_format' needs the llguidance package on the server") from None
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    try:
+        grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
+        error = LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # the compiler's own message says what is wrong
+        error = str(e) or type(e).__name__
+    if error:
+        raise bad("response_format.json_schema.schema", f"the JSON schema cannot be used: {error[:300]}")
+    return grammar

@@ -20,7 +20,6 @@ NEUTRAL = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": (None,),
-    "response_format": (None, {"type": "text"}),
 }
 # Chat fields that completions accept only at these neutral values.
 TOOL_NEUTRAL = {"parallel_tool_calls": (None, True, False), "tools": (None, []), "tool_choice": (None, "none", "auto")}
@@ -29,7 +28,8 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
                  "include_stop_str_in_output", *NEUTRAL}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", *TOOL_NEUTRAL}
-CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "messages", "max_completion_tokens", "chat_template_kwargs", "metadata",
+CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "response_format", "messages", "max_completion_tokens",
+                               "chat_template_kwargs", "metadata",
                                "store", "tools", "tool_choice", "parallel_tool_calls"}
 MAX_STOP_STRINGS = 16
 # A positive temperature below this samples greedily (its limit): float32 logits divided by a much

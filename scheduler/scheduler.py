@@ -181,8 +181,9 @@ class Scheduler:
 
     @staticmethod
     def _with_history(req: Request, seg: SegmentSpec) -> SegmentSpec:
-        """A penalized request's first sampling segment since (re)admission carries its token history."""
-        if seg.sample and req.sampling.penalized and not req.history_sent:
+        """The first sampling segment since (re)admission of a request with penalties or a grammar
+        carries its token history."""
+        if seg.sample and req.sampling.needs_history and not req.history_sent:
             prompt = req.prompt if req.sampling.repetition_penalty != 1 else []
             seg.history, seg.history_prompt = prompt + req.output, len(prompt)
             req.history_sent = True

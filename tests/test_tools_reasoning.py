@@ -237,8 +237,8 @@ def test_completions_accept_tool_fields_only_at_neutral_values(calls_server):
 @pytest.mark.parametrize("body,param,message", [
     ({"temperature": True}, "temperature", "'temperature' must be a number between 0 and 2, got true"),
     ({"best_of": 3}, "best_of", "'best_of' must be 1 (other values are not supported), got 3"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "'response_format' must be null or "
-     '{"type": "text"} (other values are not supported), got {"type": "json_object"}'),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\""),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true, false or null, got \"no\""),
     ({"stream": None, "stream_options": {"include_usage": True}}, "stream_options",
      "'stream_options' is only allowed when 'stream' is true"),
