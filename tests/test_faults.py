@@ -117,7 +117,7 @@ def test_unusable_device_fails_requests_turns_health_503_and_exits_nonzero(tiny_
     result = stream_events(srv, LONG)
     assert_stream_failed(result)
     assert "injected fault at executor.fatal" in json.dumps(result)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 15
     statuses = set()
     while srv.proc.poll() is None and time.monotonic() - t0 < 20:
         statuses.add(health(srv))
@@ -136,7 +136,7 @@ def test_hung_executor_is_noticed(tiny_checkpoint):
     status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [1, 2], "max_tokens": 8,
                                                 "ignore_eos": True})
     assert status == 500 and "--executor-timeout" in body["error"]["message"]
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < 12
     srv.proc.wait(20)
     assert srv.proc.returncode == 1
     assert srv.stop() == []
@@ -216,7 +216,7 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tiny_checkpoint):
     assert_stream_failed(result)
     assert "shutting down" in json.dumps(result)
     srv.proc.wait(20)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # 1 s of --shutdown-timeout, then the processes stop (about 2 s idle)
     assert srv.proc.returncode == 0
     assert srv.stop() == []
 
