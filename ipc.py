@@ -24,6 +24,13 @@ T = TypeVar("T")
 
 # Queue depth per socket before a PUSH blocks (or a PUB drops): generous, messages are small.
 HWM = 100_000
+# A PUSH that cannot hand a message on for this long (the peer's queue is full, or no peer is there)
+# raises instead of blocking its process forever: the process fails and the launcher sees it.
+SEND_TIMEOUT_MS = 60_000
+
+
+class PeerStuck(RuntimeError):
+    """A PUSH socket's peer took nothing for ``SEND_TIMEOUT_MS``."""
 
 
 def _configure(sock: zmq.Socket, addr: str, bind: bool) -> None:
@@ -37,12 +44,18 @@ def _configure(sock: zmq.Socket, addr: str, bind: bool) -> None:
 
 
 class Push(Generic[T]):
-    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False):
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False, send_timeout_ms: int = SEND_TIMEOUT_MS):
+        self.addr, self.send_timeout_ms = addr, send_timeout_ms
         self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
         _configure(self.sock, addr, bind)
 
     def send(self, msg: T) -> None:
-        self.sock.send(encode(msg), copy=False)
+        try:
+            self.sock.send(encode(msg), copy=False)
+        except zmq.Again:
+            raise PeerStuck(f"{self.addr}: nothing was taken from this socket for {self.send_timeout_ms / 1000:g} s "
+                            f"(its receiving process is stuck or gone)") from None
 
     def close(self, linger_ms: int = 0) -> None:
         """Close; ``linger_ms`` waits that long for queued messages to leave (e.g. before exiting)."""

@@ -254,3 +254,21 @@ def test_scripted_output_hook(tiny_checkpoint):
         assert body["choices"][0]["text"].startswith(tok.decode([11, 12, 13]))
     finally:
         assert srv.stop() == []
+
+
+def test_a_push_whose_peer_takes_nothing_raises_instead_of_blocking(tmp_path):
+    import zmq
+
+    from tidal.ipc import PeerStuck, Push
+    from tidal.messages import Shutdown
+
+    ctx = zmq.Context()
+    try:
+        push = Push(ctx, f"ipc://{tmp_path}/nobody", bind=True, send_timeout_ms=200)
+        t0 = time.monotonic()
+        with pytest.raises(PeerStuck, match="nothing was taken from this socket for 0.2 s"):
+            push.send(Shutdown())
+        assert time.monotonic() - t0 < 5
+        push.close()
+    finally:
+        ctx.term()

@@ -1,0 +1,52 @@
+"""The frontend alone (no mesh): an aiohttp test server around ``Frontend`` with the engine's answers
+put on the request's queue by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from tidal.args import ServerArgs
+from tidal.frontend.server import Frontend
+from tidal.launcher import wire
+from tidal.messages import TextDelta, Usage
+
+PARSE_SECONDS = 0.4
+
+
+def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
+    """The TTFT metric starts when the request arrives, before its (here slow) parsing and tokenizing."""
+    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
+    frontend = Frontend(args, tiny_checkpoint)
+    parse = frontend._parse
+
+    def slow_parse(raw, chat):
+        time.sleep(PARSE_SECONDS)
+        return parse(raw, chat)
+
+    frontend._parse = slow_parse
+
+    async def go():
+        frontend.client.start()
+        frontend.client.ready = True
+        async with TestClient(TestServer(frontend.app())) as client:
+            async def engine():
+                while not frontend.client.queues:
+                    await asyncio.sleep(0.01)
+                (rid, queue), = frontend.client.queues.items()
+                queue.put_nowait(TextDelta(rid=rid, text="ok", token_ids=[5], finished=True, finish_reason="length",
+                                           usage=Usage(prompt_tokens=1, completion_tokens=1)))
+
+            answer = asyncio.create_task(engine())
+            t0 = time.monotonic()
+            response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+            elapsed = time.monotonic() - t0
+            assert response.status == 200 and (await response.json())["choices"][0]["text"] == "ok"
+            await answer
+            return elapsed
+
+    elapsed = asyncio.run(go())
+    assert frontend.metrics.ttft_sum >= PARSE_SECONDS
+    assert frontend.metrics.ttft_sum <= elapsed
