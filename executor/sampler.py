@@ -50,6 +50,16 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return logits.masked_fill(~torch.zeros_like(keep).scatter(1, order, keep), float("-inf"))
 
 
+def slot_state(slots: dict[int, tuple[str, object]], spec: SegmentSpec, build):
+    """The per-request state a sampled segment's slot holds, rebuilt with ``build()`` when the
+    segment carries the request's ``history`` (first sampling since admission or resumption) or the
+    slot holds another request's."""
+    entry = slots.get(spec.slot)
+    if spec.history is not None or entry is None or entry[0] != spec.rid:
+        entry = slots[spec.slot] = (spec.rid, build())
+    return entry[1]
+
+
 class TokenCounts:
     """Per state slot, for requests with penalties: how often each token was generated, and which
     tokens the prompt holds (the repetition penalty's share). Rebuilt from a segment's ``history``
@@ -57,7 +67,19 @@ class TokenCounts:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.slots: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self.slots: dict[int, tuple[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _build(self, spec: SegmentSpec, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        history = spec.history or []
+        counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+        generated = history[spec.history_prompt:]
+        if generated:
+            ids = torch.tensor(generated, device=self.device)
+            counts.index_add_(0, ids, torch.ones(len(generated), device=self.device))
+        mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+        if spec.history_prompt:
+            mask[torch.tensor(history[:spec.history_prompt], device=self.device)] = True
+        return counts, mask
 
     def rows(self, specs: list[SegmentSpec], vocab: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """``(counts [V] fp32, prompt_mask [V] bool)`` per sampled segment, ``None`` without penalties."""
@@ -66,19 +88,7 @@ class TokenCounts:
             if spec.sampling is None or not spec.sampling.penalized:
                 out.append(None)
                 continue
-            entry = self.slots.get(spec.slot)
-            if spec.history is not None or entry is None or entry[0] != spec.rid:
-                history = spec.history or []
-                counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
-                generated = history[spec.history_prompt:]
-                if generated:
-                    ids = torch.tensor(generated, device=self.device)
-                    counts.index_add_(0, ids, torch.ones(len(generated), device=self.device))
-                mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-                if spec.history_prompt:
-                    mask[torch.tensor(history[:spec.history_prompt], device=self.device)] = True
-                entry = self.slots[spec.slot] = (spec.rid, counts, mask)
-            out.append(entry[1:])
+            out.append(slot_state(self.slots, spec, lambda spec=spec: self._build(spec, vocab)))
         return out
 
     @staticmethod

@@ -7,6 +7,7 @@ import torch
 
 from ..messages import SegmentSpec
 from ..tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
+from .sampler import slot_state
 
 
 class GrammarStates:
@@ -40,16 +41,7 @@ class GrammarStates:
             if spec.sampling is None or spec.sampling.grammar is None:
                 out.append(None)
                 continue
-            entry = self.slots.get(spec.slot)
-            if spec.history is not None or entry is None or entry[0] != spec.rid:
-                from llguidance import LLMatcher
-
-                matcher = LLMatcher(self._lltokenizer(), spec.sampling.grammar)
-                generated = (spec.history or [])[spec.history_prompt:]
-                if generated:
-                    matcher.consume_tokens(generated)
-                entry = self.slots[spec.slot] = (spec.rid, matcher)
-            out.append(entry[1])
+            out.append(slot_state(self.slots, spec, lambda spec=spec: self._build(spec)))
         return out
 
     def mask(self, logits: torch.Tensor, matchers: list[object | None]) -> None:
@@ -71,6 +63,15 @@ class GrammarStates:
         masked[:, :vocab] = head
         masked[:, vocab:] = float("-inf")
         logits[index] = masked
+
+    def _build(self, spec: SegmentSpec):
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._lltokenizer(), spec.sampling.grammar)
+        generated = (spec.history or [])[spec.history_prompt:]
+        if generated:
+            matcher.consume_tokens(generated)
+        return matcher
 
     @staticmethod
     def advance(matchers: list[object | None], token_ids: list[int]) -> None:

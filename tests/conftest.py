@@ -123,3 +123,32 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, str]:
     for i, (name, cfg) in enumerate(HF_CONFIGS.items()):
         out[name] = build_hf_checkpoint(str(tmp_path_factory.mktemp(name)), cfg, composite=(i == 1), seed=i + 1)
     return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    """A ``tidal serve`` of the tiny checkpoint without an API key, one per test module (a module may
+    define its own ``server`` instead)."""
+    from server_harness import Server
+
+    srv = Server(tiny_checkpoint, api_key=None)
+    yield srv
+    assert srv.stop() == []
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official ``openai`` SDK pointed at ``server``."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none")
+
+
+@pytest.fixture(scope="module")
+def tap(server):
+    """The read-only tap of ``server``."""
+    from server_harness import Tap
+
+    tap = Tap(server.tap_addr)
+    yield tap
+    tap.close()

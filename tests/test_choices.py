@@ -3,23 +3,9 @@ the prefix cache; each choice samples on its own (seed + index)."""
 
 from __future__ import annotations
 
-import openai
-import pytest
-from server_harness import Server, Tap
+from server_harness import Tap
 
 PROMPT = [1000 + i for i in range(300)]  # 300 tokens: checkpoint at 256 (--checkpoint-align 64)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
-    yield srv
-    assert srv.stop() == []
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 
 def test_greedy_choices_are_equal_and_share_the_prompt(server, client):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import openai
 import pytest
-from server_harness import Server, Tap
 
 from tidal import LLM
 from tidal.tokenizer import load_tokenizer
@@ -13,28 +11,9 @@ PROMPT = [101, 2024, 3003, 40, 77, 5]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
-    yield srv
-    assert srv.stop() == []
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     llm = LLM(tiny_checkpoint)
     return lambda ids: llm.score(ids).log_softmax(-1)
-
-
-@pytest.fixture(scope="module")
-def tap(server):
-    t = Tap(server.tap_addr)
-    yield t
-    t.close()
 
 
 def output_ids(tap, rid: str) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from server_harness import Server, Tap
 
 from tidal import LLM
 from tidal.executor.sampler import TokenCounts, adjust_logits
@@ -62,20 +61,6 @@ def test_adjust_logits_matches_the_reference():
     # The next segment of the same request (no history) keeps the counts.
     again = counts.rows([SegmentSpec(rid="r0", slot=0, start=0, token_ids=[], sampling=params[0], sample=True)], vocab)
     assert again[0][0][7] == 3
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
-    yield srv
-    assert srv.stop() == []
-
-
-@pytest.fixture(scope="module")
-def tap(server):
-    t = Tap(server.tap_addr)
-    yield t
-    t.close()
 
 
 def run(server, tap, **body):

@@ -10,9 +10,8 @@ import sys
 import time
 
 import aiohttp
-import openai
 import pytest
-from server_harness import API_KEY, Server, child_pids, cmdline
+from server_harness import Server, child_pids, cmdline
 
 from tidal import LLM
 
@@ -25,11 +24,6 @@ def server(tiny_checkpoint):
     yield srv
     alive = srv.stop()
     assert not alive, f"processes left after SIGTERM: {alive}"
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

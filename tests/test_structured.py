@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
-from server_harness import Server
 
 SCHEMA = {"type": "object", "properties": {
     "ok": {"type": "boolean"},
@@ -30,18 +28,6 @@ def validates(value, schema) -> bool:
             (schema.get("additionalProperties", True) or set(value) <= set(schema["properties"])) and \
             all(validates(v, schema["properties"][k]) for k, v in value.items() if k in schema.get("properties", {}))
     raise AssertionError(kind)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
-    yield srv
-    assert srv.stop() == []
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 
 def test_json_schema_output_validates(client, server):
