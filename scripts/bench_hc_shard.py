@@ -2,7 +2,8 @@
 
     python scripts/bench_hc_shard.py --out DIR --tp 4 [--preset bench] [--lengths 8192,65536,131072]
         [--modes off,control,shard] [--coalesce both|on|off] [--repeats 2] [--decode-context 0,8192]
-        [--decode-arms off,shard+coalesce] [--interleave] [--agreement] [--device cuda|cpu]
+        [--decode-arms off,shard+coalesce] [--arms off,shard+coalesce] [--interleave] [--agreement]
+        [--device cuda|cpu]
 
 For each arm (``--hc-prefill-mode`` x ``--prefill-coalesce``) a fresh ``tidal serve --tp N
 --load-format random``; per prompt length, ``--repeats`` cold prompts (distinct random ids, so
@@ -34,7 +35,7 @@ from tidal.executor.presets import write_checkpoint  # noqa: E402
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(seed * 1_000_003 + n)  # the length in the seed: no prompt is a prefix of another
     return [rng.randrange(1000, 240000) for _ in range(n)]
 
 
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,65536,131072")
     ap.add_argument("--modes", default="off,control,shard")
     ap.add_argument("--coalesce", default="both", choices=["both", "on", "off"])
+    ap.add_argument("--arms", default="", help="explicit arms, e.g. off,shard+coalesce (instead of --modes x --coalesce)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-context", default="0,8192")
     ap.add_argument("--decode-arms", default="off,shard+coalesce")
@@ -192,7 +194,9 @@ def main() -> None:
         with open(os.path.join(ns.out, "bench_hc_shard.json"), "w") as f:
             json.dump(result, f, indent=1)
 
-    arms = run_arms(path, [(m, c) for m in ns.modes.split(",") for c in coalesce], ns, save)
+    wanted = ([(a.split("+")[0], a.endswith("+coalesce")) for a in ns.arms.split(",")] if ns.arms
+              else [(m, c) for m in ns.modes.split(",") for c in coalesce])
+    arms = run_arms(path, wanted, ns, save)
     if ns.agreement:
         result["agreement_shard_coalesce_vs_off"] = agreement(path, ns.tp, ns.device, ns.agreement_length,
                                                               "shard", True)
