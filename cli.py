@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(sv)
     sv.set_defaults(func=_serve)
 
+    from .deploy import add_run_flags, run_role
+
+    rn = sub.add_parser("run", help="run one process of the mesh (frontend, scheduler, executor, detokenizer): "
+                        "one container each under docker compose")
+    add_run_flags(rn)
+    rn.set_defaults(func=run_role)
+
+    from .benchmark import add_bench_flags, run_bench
+
+    bn = sub.add_parser("bench", help="benchmark any OpenAI-compatible endpoint (the seeds' protocol, "
+                        "open-loop arrivals)")
+    add_bench_flags(bn)
+    bn.set_defaults(func=run_bench)
+
     tp = sub.add_parser("tap", help="print PromptAdmitted / Detokenize messages as JSON lines")
     tp.add_argument("--connect", required=True, help="the server's --tap-addr (printed at start-up)")
     tp.add_argument("--count", type=int, default=None, help="exit after this many messages")
