@@ -182,11 +182,13 @@ def _optional_int(text: str) -> int | None:
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id in the API (default: the checkpoint directory's name; tidal-demo for the demo)")
+    p.add_argument("--host", default=d.host, help="address the HTTP server listens on")
+    p.add_argument("--port", type=int, default=d.port, help="HTTP port")
     p.add_argument("--device", default=d.device, help="cuda, cpu, or auto (cuda if available)")
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights, activations and KV dtype; auto: the checkpoint's dtype on a GPU, float32 on the CPU")
     p.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (one executor process each)")
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts the --tp ranks span (equal shares)")
     p.add_argument("--node-rank", type=int, default=d.node_rank,
@@ -198,12 +200,16 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="hyper-connection work under --tp: off (replicated), control (replicated, reductions at "
                         "the decoder-layer boundary, eager), shard (each rank owns rows/TP token rows during an "
                         "eligible prefill)")
-    p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "random"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "random"],
+                   help="safetensors: the checkpoint's weights; random: seeded weights from config.json alone")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of --load-format random and of sampling for requests without a seed")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens (default: the config's max_position_embeddings)")
     p.add_argument("--max-prefill-length", type=_optional_int, default=d.max_prefill_length,
                    help="prompt tokens per scheduling turn (internal chunk size); 'none' for no limit")
-    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                   help="requests decoding or prefilling at once (each holds a state slot)")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                    help="output tokens of a chat request that names no max_tokens (0: the rest of the context)")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
@@ -213,22 +219,31 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="qwen3: a chat answer's text up to </think> (after a leading <think>) is returned as "
                         "reasoning_content, the rest as content (default: off, the text as generated)")
-    p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--kv-pool-tokens", type=int, default=None, help="KV cache capacity in tokens")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (a power of two)")
+    p.add_argument("--kv-pool-tokens", type=int, default=None,
+                   help="KV cache capacity in tokens (default: max(--max-model-len, 65536))")
     p.add_argument("--state-slots", type=int, default=None,
-                   help="recurrent-state slots (running requests + prefix-cache checkpoints)")
-    p.add_argument("--disable-prefix-cache", action="store_true")
-    p.add_argument("--checkpoint-align", type=int, default=d.checkpoint_align)
-    p.add_argument("--prefill-coalesce", action="store_true")
-    p.add_argument("--enable-cache-report", action="store_true")
+                   help="recurrent-state slots (running requests + prefix-cache checkpoints; default: "
+                        "--max-running-requests + max(16, --max-running-requests))")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="no prefix matching and no state checkpoints")
+    p.add_argument("--checkpoint-align", type=int, default=d.checkpoint_align,
+                   help="prompt positions where state checkpoints may be written (a multiple of --page-size)")
+    p.add_argument("--prefill-coalesce", action="store_true",
+                   help="join a prompt's tail to the chunk before a checkpoint and export the checkpoint from inside "
+                        "the forward (one forward instead of two)")
+    p.add_argument("--enable-cache-report", action="store_true",
+                   help="log one line per request with its prompt, cached and computed token counts")
     p.add_argument("--moe-strategy", default=d.moe_strategy, choices=["resident", "offload"],
                    help="resident: every expert on the device; offload: experts in (pinned) host memory, a device "
                         "expert cache, whole layers streamed for large prefills")
-    p.add_argument("--moe-cache-slots", type=int, default=None, help="experts the device cache holds (offload)")
+    p.add_argument("--moe-cache-slots", type=int, default=None,
+                   help="experts the device cache holds (offload; default: sized as --moe-cache-auto does)")
     p.add_argument("--moe-cache-auto", action="store_true",
                    help="size the expert cache from the device memory left after weights and KV (offload)")
     p.add_argument("--kv-reserve-tokens", type=int, default=None,
-                   help="with --moe-cache-auto: KV tokens to keep room for before sizing the expert cache")
+                   help="with --moe-cache-auto: KV tokens to keep room for before sizing the expert cache "
+                        "(default: none)")
     p.add_argument("--ple-backend", default=d.ple_backend, choices=["gpu", "pinned", "disk"],
                    help="where PLE n-gram tables live: on the device, in pinned host memory, or read on demand "
                         "from the checkpoint files")
@@ -237,13 +252,18 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "turn), so each layer's streamed experts cross to the device once")
     p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
                    help="the most new prompt tokens a layer-major prefill takes")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--tap-addr", default=None, help="ZeroMQ address of the tap PUB socket")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none, no key)")
+    p.add_argument("--tap-addr", default=None,
+                   help="ZeroMQ address of the tap PUB socket (default: a socket in the run directory)")
     for name in ("scheduler", "executor", "detokenizer", "frontend", "control"):
         extra = " ('{rank}' is replaced by the executor's rank)" if name == "executor" else ""
+        who = "the supervisor (tidal serve)" if name == "control" else f"the {name}"
         p.add_argument(f"--{name}-addr", default=None,
-                       help=f"ZeroMQ address the {name} binds (ipc:// or tcp://; default: the run directory){extra}")
-    p.add_argument("--run-dir", default=None)
+                       help=f"ZeroMQ address {who} binds (ipc:// or tcp://; default: a socket in the run "
+                            f"directory){extra}")
+    p.add_argument("--run-dir", default=None,
+                   help="directory of the ipc:// sockets (default: a fresh private one, removed on exit)")
     p.add_argument("--restart-on-failure", action="store_true",
                    help="when a process of the mesh dies or an executor fails for good, fail the requests in "
                         "flight and restart the mesh (default: exit non-zero)")
@@ -252,7 +272,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "aborting them and exiting")
     p.add_argument("--executor-timeout", type=float, default=d.executor_timeout,
                    help="seconds a batch may run before the executor counts as hung and the mesh as failed")
-    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"],
+                   help="log level of every process (one line per finished request at info)")
 
 
 def args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

@@ -51,28 +51,44 @@ def _tap(ns: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the default is unset (None: the help says what
+    happens then), a switch's False, or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if action.option_strings and not unset and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="tidal", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"tidal {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     ck = sub.add_parser("checkpoint", help="write a Qwen4-Exp checkpoint with seeded random weights")
     ck.add_argument("--preset", required=True, help="tiny, small or bench")
     ck.add_argument("--out", required=True, help="output directory")
-    ck.add_argument("--seed", type=int, default=0)
+    ck.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     ck.add_argument("--config-only", action="store_true",
                     help="write config and tokenizer only (serve with --load-format random)")
     ck.set_defaults(func=_checkpoint)
 
     from .args import add_server_flags
 
-    sv = sub.add_parser("serve", help="serve the OpenAI API (the demo model without --model)")
+    sv = sub.add_parser("serve", help="serve the OpenAI API (the demo model without --model)",
+                        formatter_class=DefaultsHelpFormatter)
     add_server_flags(sv)
     sv.set_defaults(func=_serve)
 
     from .deploy import add_run_flags, run_role
 
     rn = sub.add_parser("run", help="run one process of the mesh (frontend, scheduler, executor, detokenizer): "
-                        "one container each under docker compose")
+                        "one container each under docker compose", formatter_class=DefaultsHelpFormatter)
     add_run_flags(rn)
     rn.set_defaults(func=run_role)
 

@@ -237,14 +237,20 @@ def serve(args: ServerArgs) -> int:
     elif not os.path.isdir(model_path):
         logger.error("--model %s: not a directory", model_path)
         return 2
-    else:
-        from .config import ConfigError, ModelConfig
+    from .args import ArgsError
+    from .config import ConfigError, ModelConfig
+    from .sizing import check_fits
 
-        try:
-            ModelConfig.from_file(model_path)
-        except ConfigError as e:
-            logger.error("--model %s: %s", model_path, e)
-            return 2
+    try:
+        config = ModelConfig.from_file(model_path)
+    except ConfigError as e:
+        logger.error("--model %s: %s", model_path, e)
+        return 2
+    try:
+        check_fits(args, config, args.resolved_device())
+    except ArgsError as e:
+        logger.error("%s", e)
+        return 2
     if args.node_rank == 0 and not port_free(args.host, args.port):
         logger.error("--port %d: %s:%d is already in use (pick another port)", args.port, args.host, args.port)
         return 2

@@ -42,3 +42,79 @@ def pool_sizes(args: ServerArgs, config: ModelConfig) -> PoolSizes:
     else:
         num_slots = request_slots + (0 if args.disable_prefix_cache else max(16, request_slots))
     return PoolSizes(max_model_len, args.page_size, num_pages, num_slots, request_slots)
+
+
+GiB = 1 << 30
+
+
+def memory_plan(args: ServerArgs, config: ModelConfig, device: str) -> dict[str, int]:
+    """Bytes each executor rank allocates for weights on the device, weights in host memory, the KV
+    pool and the state slots (the module tree and pools built on the meta device: nothing allocated)."""
+    import torch
+
+    from .executor.loader import host_resident, resolve_dtype
+    from .executor.memory.kv_cache import KVPool
+    from .executor.memory.state_slots import StatePool
+    from .executor.models.qwen4_exp import Qwen4ExpForCausalLM
+
+    sizes = pool_sizes(args, config)
+    dtype = resolve_dtype(args.dtype, config, device)
+    width = torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config)
+    on_device = on_host = 0
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if args.ple_backend == "disk" and name.endswith("ngram_embedding.weight"):
+            continue
+        if host_resident(name, args.moe_strategy, args.ple_backend):
+            on_host += param.numel() * width
+        else:
+            on_device += param.numel() * width
+    kv = KVPool(config, 1, sizes.page_size, "meta", dtype).bytes_per_token() * sizes.num_pages * sizes.page_size
+    state = StatePool(config, 1, "meta", dtype).bytes_per_slot() * sizes.num_slots
+    # Under --tp the weights and KV heads split across the ranks (roughly evenly); state slots too.
+    return {"weights_device": on_device // args.tp, "weights_host": on_host // args.tp,
+            "kv": kv // args.tp, "state": state // args.tp}
+
+
+def host_memory_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
+    """Raise ``ArgsError`` naming the flag when the pools cannot hold one request, or when one host's
+    ranks need more memory than the device has (on the CPU: more than the host's total memory).
+    Host-resident weights of a GPU rank are not checked: some hosts grow their memory on demand."""
+    plan = memory_plan(args, config, device)
+    if device.startswith("cuda"):
+        import torch
+
+        have = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+        where = f"{device} has"
+        ranks = 1
+    else:
+        have = host_memory_total()
+        where = "the host has"
+        ranks = args.tp // args.nnodes  # every rank of this host shares its memory
+        if have is None:
+            return
+    weights = (plan["weights_device"] + (0 if device.startswith("cuda") else plan["weights_host"])) * ranks
+    kv, state = plan["kv"] * ranks, plan["state"] * ranks
+    if weights > have:
+        raise ArgsError(f"--dtype: the weights alone need {weights / GiB:.1f} GiB in "
+                        f"{args.dtype if args.dtype != 'auto' else 'the default dtype'}; {where} {have / GiB:.1f} GiB "
+                        f"(a smaller --dtype, more --tp ranks, or --moe-strategy offload)")
+    if weights + kv + state > have:
+        flag = "--kv-pool-tokens" if kv >= state else "--state-slots"
+        raise ArgsError(f"{flag}: weights ({weights / GiB:.1f} GiB), KV pool ({kv / GiB:.1f} GiB) and state "
+                        f"slots ({state / GiB:.1f} GiB) need {(weights + kv + state) / GiB:.1f} GiB; {where} "
+                        f"{have / GiB:.1f} GiB (lower --kv-pool-tokens, --state-slots or --max-model-len)")

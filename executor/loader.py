@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from ..progress import progress
 from .distributed import single_rank, tp
 from .distributed.shard import LazySlice, shard, shard_expert_part
 from .models import Qwen4ExpForCausalLM
@@ -112,7 +113,8 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
     if tp().size > 1:  # every rank draws the full tensor and keeps its part: the same weights as one rank
         with single_rank(), torch.device("meta"):
             full_shapes = {n: tuple(p.shape) for n, p in Qwen4ExpForCausalLM(config).named_parameters()}
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    for name, param in progress(named, desc="random weights", unit="tensor", show=tp().rank == 0):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = full_shapes[name] if full_shapes else tuple(param.shape)
@@ -152,9 +154,16 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                 f"tensor {key} has shape {list(shape)}, expected {list(target.shape)} from config.json"
             )
 
-    for file in _safetensor_files(path):
+    files = _safetensor_files(path)
+    tensors = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            tensors += len(f.keys())
+    bar = progress(total=tensors, desc="loading weights", unit="tensor", show=tp().rank == 0)
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
+                bar.update()
                 name = canonical_name(key)
                 if name is None:
                     continue
@@ -195,6 +204,7 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                 else:
                     unexpected.append(key)
 
+    bar.close()
     for name, shards in ple_shards.items():
         if name not in params:
             unexpected.extend(key for _, _, key in shards)

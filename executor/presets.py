@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..progress import progress
 from ..tokenizer import QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
 from .layers.ple import hashing_constants
 from .loader import empty_model
@@ -214,7 +215,8 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
         files.append((path, list(shard)))
         shard, size = {}, 0
 
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    for name, param in progress(named, desc=f"writing {preset} checkpoint", unit="tensor"):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)

@@ -39,7 +39,8 @@ def _rank(rank: int, size: int, port: int, path: str, ns, queue) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     lengths = [int(x) for x in ns.lengths.split(",")]
     longest = max(lengths)
-    llm = LLM(path, device=device, dtype="bfloat16" if cuda else "float32", load_format="random", tp=size, hc_prefill_mode="shard",
+    llm = LLM(path, device=device, dtype="bfloat16" if cuda else "float32", load_format="random", tp=size,
+              hc_prefill_mode="shard",
               max_prefill_length=ns.chunk, max_model_len=longest + 1024, kv_pool_tokens=longest + 2 * ns.chunk,
               max_running_requests=1)
     page = llm.sizes.page_size
@@ -90,7 +91,8 @@ def _rank(rank: int, size: int, port: int, path: str, ns, queue) -> None:
         if rank == 0:
             print(f"\n== {arm}: one {ns.chunk}-token forward, {total / 1e3:.1f} ms of kernels; "
                   + ", ".join(f"{g} {s * 100:.1f}%" for g, s in shares.items()), flush=True)
-            print(events.table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total", row_limit=ns.profile_rows, max_name_column_width=70),
+            print(events.table(sort_by="cuda_time_total" if cuda else "self_cpu_time_total",
+                               row_limit=ns.profile_rows, max_name_column_width=70),
                   flush=True)
     if rank == 0:
         queue.put(out)

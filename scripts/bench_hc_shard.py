@@ -173,7 +173,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="8192,65536,131072")
     ap.add_argument("--modes", default="off,control,shard")
     ap.add_argument("--coalesce", default="both", choices=["both", "on", "off"])
-    ap.add_argument("--arms", default="", help="explicit arms, e.g. off,shard+coalesce (instead of --modes x --coalesce)")
+    ap.add_argument("--arms", default="",
+                    help="explicit arms, e.g. off,shard+coalesce (instead of --modes x --coalesce)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-context", default="0,8192")
     ap.add_argument("--decode-arms", default="off,shard+coalesce")
