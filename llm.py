@@ -76,7 +76,7 @@ class LLM:
                 for i, seg in enumerate(batch.segments):
                     if seg.rid == rid and i in out.logits:
                         parts.append(out.logits[i])
-            self.scheduler.process_result(batch, out.token_ids, out.logprobs)
+            self.scheduler.process_result(batch, out.token_ids, out.logprobs, out.prompt_logprobs)
             events, self._events[:] = list(self._events), []
             yield from events
         events, self._events[:] = list(self._events), []

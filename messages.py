@@ -84,6 +84,10 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     # Admit only once this request has computed its prompt (the other choices of an ``n > 1``
     # request: they find the prompt in the prefix cache instead of computing it again).
     after: str | None = None
+    # Log-probabilities of every prompt token after the first, with this many alternatives (-1:
+    # none). Such a request computes its whole prompt (no prefix-cache match); with ``max_tokens``
+    # 0 it ends once the prompt is computed.
+    prompt_logprobs: int = -1
 
 
 class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
@@ -134,6 +138,8 @@ class Detokenize(Struct, tag="Detokenize", omit_defaults=True):
     rid: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token, for requests that asked
+    # With the request's first message: one entry per prompt token after the first (prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -167,6 +173,7 @@ class TextDelta(Struct, tag="TextDelta", omit_defaults=True):
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per id of ``token_ids``, for requests that asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # as in ``Detokenize``
     finished: bool = False
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
@@ -203,6 +210,10 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     # generated so far; the executor keeps its counts and grammar state from there.
     history: list[int] | None = None
     history_prompt: int = 0
+    # Prompt log-probabilities: row j's log-probability of ``prompt_targets[j]`` (the next prompt
+    # token) and its top ``prompt_logprobs`` alternatives, for rows ``[0, len(prompt_targets))``.
+    prompt_targets: list[int] = []
+    prompt_logprobs: int = -1
 
 
 class Batch(Struct, tag="Batch", omit_defaults=True):
@@ -223,6 +234,8 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
     token_ids: list[int]
     # Segment index -> the sampled token's log-probabilities, for segments whose request asked.
     logprobs: dict[int, TokenLogprob] = {}
+    # Segment index -> one entry per ``prompt_targets`` id of that segment.
+    prompt_logprobs: dict[int, list[TokenLogprob]] = {}
     error: str | None = None
     # Cumulative executor counters: ``expert_*`` one value per MoE layer (loads, bytes, whole-layer
     # streams); ``tp_*`` one value (collectives issued, hyper-connection sharded forwards).

@@ -84,7 +84,7 @@ class Detokenizer:
             self.states.pop(rid, None)
             self.usage.pop(rid, None)
         self.send_text(TextDelta(rid=rid, text=text, token_ids=list(msg.token_ids), logprobs=msg.logprobs,
-                                 finished=msg.finished,
+                                 prompt_logprobs=msg.prompt_logprobs, finished=msg.finished,
                                  finish_reason=msg.finish_reason, usage=msg.usage, error=msg.error,
                                  error_status=msg.error_status))
 

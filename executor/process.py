@@ -86,6 +86,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
                 raise DeviceLost("injected fault at executor.fatal")
             out = runner.execute(msg)
             result = BatchResult(batch_id=msg.batch_id, token_ids=out.token_ids, logprobs=out.logprobs,
+                                 prompt_logprobs=out.prompt_logprobs,
                                  executor_stats=runner.stats())
         except Exception as e:  # a failed batch fails its requests, not the process
             logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())

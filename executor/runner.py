@@ -32,6 +32,8 @@ class RunnerOutput:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     # Segment index -> the sampled token's log-probabilities, for requests that asked.
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # Segment index -> the log-probabilities of its ``prompt_targets``.
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -98,6 +100,11 @@ class ModelRunner:
                 rows.append(seg.row0 + seg.length - 1)
             spans[i] = (first, len(rows))
         out = RunnerOutput(token_ids=[-1] * len(specs))
+        for i, seg in zip(order, fb.segments, strict=True):
+            if specs[i].prompt_targets:
+                if batch.mode == "layer_major":
+                    raise ValueError("a layer-major batch cannot return prompt log-probabilities")
+                out.prompt_logprobs[i] = self._prompt_logprobs(streams, pending, seg.row0, specs[i])
         if not rows:
             return out
         logits = self.model.logits(streams, pending, torch.tensor(rows, device=self.device) - shift).float()
@@ -139,6 +146,24 @@ class ModelRunner:
             row = host[r].tolist()
             out.logprobs[index[j]] = TokenLogprob(logprob=row[0], top_ids=[int(x) for x in row[1 + k:1 + k + n]],
                                                   top_logprobs=row[1:1 + n])
+
+    def _prompt_logprobs(self, streams, pending, row0: int, spec: SegmentSpec, block: int = 1024) -> list[TokenLogprob]:
+        """Log-softmax of the logits of rows ``row0 + j`` at ``spec.prompt_targets[j]``, with the top
+        ``spec.prompt_logprobs`` alternatives; ``block`` rows of logits at a time."""
+        k = max(spec.prompt_logprobs, 0)
+        entries: list[TokenLogprob] = []
+        for lo in range(0, len(spec.prompt_targets), block):
+            targets = torch.tensor(spec.prompt_targets[lo:lo + block], device=self.device)
+            rows = torch.arange(row0 + lo, row0 + lo + targets.numel(), device=self.device)
+            lp = torch.log_softmax(self.model.logits(streams, pending, rows).float(), dim=-1)
+            parts = [lp.gather(1, targets[:, None])]
+            if k:
+                top = lp.topk(k, dim=-1)
+                parts += [top.values, top.indices.to(lp.dtype)]
+            for row in torch.cat(parts, dim=1).cpu().tolist():
+                entries.append(TokenLogprob(logprob=row[0], top_ids=[int(x) for x in row[1 + k:]],
+                                            top_logprobs=row[1:1 + k]))
+        return entries
 
     def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):
         """One long segment, each decoder layer over all its internal chunks before the next layer.

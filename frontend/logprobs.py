@@ -47,9 +47,11 @@ def _token(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special=False)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob | None],
+                        offset: int) -> dict[str, Any]:
     """The completions shape: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``
-    (offsets count characters from ``offset``, the length of the text already returned)."""
+    (offsets count characters from ``offset``, the length of the text already returned). A ``None``
+    entry (an echoed prompt's first token) gives ``null`` values."""
     tokens = [_token(tokenizer, t) for t in token_ids]
     offsets = []
     for text in tokens:
@@ -57,8 +59,9 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogp
         offset += len(text)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_token(tokenizer, i): lp for i, lp in zip(e.top_ids, e.top_logprobs, strict=True)}
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [None if e is None else {_token(tokenizer, i): lp
+                                                 for i, lp in zip(e.top_ids, e.top_logprobs, strict=True)}
                          for e in entries],
         "text_offset": offsets,
     }

@@ -32,6 +32,8 @@ CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "response_format", "messages", "m
                                "chat_template_kwargs", "metadata",
                                "store", "tools", "tool_choice", "parallel_tool_calls"}
 MAX_STOP_STRINGS = 16
+# Prompts in one completions request (each with its ``n`` choices).
+MAX_PROMPTS = 64
 # A positive temperature below this samples greedily (its limit): float32 logits divided by a much
 # smaller one overflow to inf and the sampler's probabilities to nan.
 MIN_TEMPERATURE = 1e-5
@@ -113,6 +115,9 @@ class ParsedRequest:
     logprobs: int = -1
     # Penalties and token controls (frontend/controls.py).
     controls: dict = field(default_factory=dict)
+    # Completions: every prompt of the request (``prompt_ids`` is the first), and ``echo``.
+    prompts: list[list[int]] = field(default_factory=list)
+    echo: bool = False
     # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").
     parse_tool_calls: bool = False
     parallel_tool_calls: bool = True
@@ -323,29 +328,50 @@ def _check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
                              f"{limits.vocab_size - 1})")
 
 
+def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        ids = _encode(param, prompt, tokenizer, limits)
+    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise bad(param, f"'{param}' must be a string or an array of token ids, got {_show(prompt)}")
+    _check_prompt_ids(ids, limits, param)
+    return ids
+
+
 def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
-    _check_fields(body, COMPLETION_FIELDS, {**NEUTRAL, **TOOL_NEUTRAL})
+    _check_fields(body, COMPLETION_FIELDS, {**{k: v for k, v in NEUTRAL.items() if k != "echo"}, **TOOL_NEUTRAL})
     if "prompt" not in body:
         raise bad("prompt", "'prompt' is required")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = _encode("prompt", prompt, tokenizer, limits)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        ids = list(prompt)
-    elif isinstance(prompt, list):
-        raise bad("prompt", "'prompt' must be a string or an array of token ids (one prompt per request)")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad("prompt", f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
+        prompts = [_one_prompt(p, f"prompt[{i}]", limits, tokenizer) for i, p in enumerate(prompt)]
+    elif isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+        prompts = [_one_prompt(prompt, "prompt", limits, tokenizer)]
     else:
-        raise bad("prompt", f"'prompt' must be a string or an array of token ids, got {_show(prompt)}")
-    _check_prompt_ids(ids, limits, "prompt")
+        raise bad("prompt", f"'prompt' must be a string, an array of token ids, or an array of prompts (strings "
+                            f"or token-id arrays), got {_show(prompt)}")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("echo", f"'echo' must be a boolean, got {_show(echo)}")
     params = _sampling(body, limits)
-    max_tokens = _max_tokens(body, ("max_tokens",), 16, len(ids), limits)
     from .controls import parse_controls
     from .logprobs import parse_logprobs
 
-    return ParsedRequest(chat=False, prompt_ids=ids, max_tokens=max_tokens, logprobs=parse_logprobs(body, chat=False),
-                         controls=parse_controls(body, limits.vocab_size, max_tokens), **params)
+    logprobs = parse_logprobs(body, chat=False)
+    longest = max(len(p) for p in prompts)
+    if echo and body.get("max_tokens") == 0:  # the prompt alone (scored, with logprobs)
+        max_tokens = 0
+    else:
+        max_tokens = _max_tokens(body, ("max_tokens",), 16, longest, limits)
+    controls = parse_controls(body, limits.vocab_size, max_tokens)
+    if len(prompts) * controls.get("n", 1) > MAX_PROMPTS * 2:
+        raise bad("n", f"'n' ({controls.get('n', 1)}) times the prompts ({len(prompts)}) is more than "
+                       f"{MAX_PROMPTS * 2} choices per request")
+    return ParsedRequest(chat=False, prompt_ids=prompts[0], max_tokens=max_tokens, logprobs=logprobs,
+                         controls=controls, prompts=prompts, echo=echo, **params)
 
 
 def _message_text(m: dict, i: int) -> str:

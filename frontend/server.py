@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import zmq
 from aiohttp import web
@@ -83,7 +84,17 @@ class Frontend:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/", self.chat_page)
         return app
+
+    async def chat_page(self, request: web.Request) -> web.Response:
+        """The chat page: one static file that loads without a key; its own API calls send the key."""
+        return web.Response(body=Path(__file__).with_name("chat.html").read_bytes(), headers={
+            "Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+                                       "frame-ancestors 'none'"})
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -147,44 +158,58 @@ class Frontend:
         parsed = await asyncio.to_thread(self._parse, raw, chat)
         rid = uuid.uuid4().hex
         n = parsed.controls.get("n", 1)
-        # Choice i > 0 is its own request, admitted once choice 0 has computed the prompt (it finds the
-        # prompt in the prefix cache); with a seed, choice i samples with seed + i.
-        rids = [rid] + [f"{rid}.{i}" for i in range(1, n)]
-        queues = []
-        for i, choice_rid in enumerate(rids):
-            seed = None if parsed.seed is None else (parsed.seed + i + 2**63) % 2**64 - 2**63
-            queues.append(await self.client.submit(GenerateReq(
-                rid=choice_rid, prompt_ids=parsed.prompt_ids, max_tokens=parsed.max_tokens,
-                sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
-                                        seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
-                ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
-                stop_token_ids=parsed.controls["stop_token_ids"],
-                include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
-                after=None if i == 0 else rid)))
+        # Choice index p * n + i: prompt p's choice i. Choice i > 0 is its own request, admitted once
+        # choice 0 has computed the prompt (it finds the prompt in the prefix cache); with a seed,
+        # choice index c samples with seed + c. Echo with logprobs (or with max_tokens 0) asks for
+        # the prompt's log-probabilities: such a request computes its whole prompt.
+        prompts = parsed.prompts or [parsed.prompt_ids]
+        prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not parsed.max_tokens) else -1
+        rids, prompt_of, queues = [], [], []
+        for p, ids in enumerate(prompts):
+            base = rid if p == 0 else f"{rid}-{p}"
+            for i in range(n):
+                choice_rid = base if i == 0 else f"{base}.{i}"
+                seed = None if parsed.seed is None else (parsed.seed + p * n + i + 2**63) % 2**64 - 2**63
+                rids.append(choice_rid)
+                prompt_of.append(ids)
+                queues.append(await self.client.submit(GenerateReq(
+                    rid=choice_rid, prompt_ids=ids, max_tokens=parsed.max_tokens,
+                    sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+                                            seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
+                    ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
+                    stop_token_ids=parsed.controls["stop_token_ids"],
+                    include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
+                    after=None if i == 0 else base, prompt_logprobs=prompt_lp)))
         # Per choice: "first": a token arrived; "finished": the request ended on the server.
         states: list[dict] = [{} for _ in rids]
         try:
             if parsed.stream:
-                return await self._stream(request, rids, parsed, queues, arrival, states)
-            results = await asyncio.gather(*(self._collect(r, parsed, q, arrival, st)
-                                             for r, q, st in zip(rids, queues, states, strict=True)))
-            return _json(self._merge(results))
+                return await self._stream(request, rids, parsed, queues, arrival, states, prompt_of, n)
+            results = await asyncio.gather(*(self._collect(r, parsed, q, arrival, st, ids)
+                                             for r, q, st, ids in zip(rids, queues, states, prompt_of, strict=True)))
+            return _json(self._merge(results, n))
         finally:
             for choice_rid, state in zip(rids, states, strict=True):
                 if state.get("finished"):
                     self.client.release(choice_rid)
                 else:  # client gone or handler failed: free everything the request holds
                     self.metrics.finished("abort", None)
+                    logger.info("request rid=%s finish_reason=abort e2e_s=%.4f (the client went away)", choice_rid,
+                                time.monotonic() - arrival)
                     asyncio.get_running_loop().create_task(self.client.abort(choice_rid))
 
     @staticmethod
-    def _merge(results: list[dict]) -> dict:
-        """One response of several choices: the prompt counted once, the completions summed."""
+    def _merge(results: list[dict], n: int) -> dict:
+        """One response of several choices: each prompt counted once, the completions summed."""
         body = results[0]
         if len(results) > 1:
             body["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(results)]
             completion = sum(r["usage"]["completion_tokens"] for r in results)
             body["usage"]["completion_tokens"] = completion
+            firsts = [r["usage"] for r in results[::n]]
+            body["usage"]["prompt_tokens"] = sum(u["prompt_tokens"] for u in firsts)
+            body["usage"]["prompt_tokens_details"] = {
+                "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)}
             body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + completion
         return body
 
@@ -208,14 +233,33 @@ class Frontend:
 
     async def _next(self, queue: asyncio.Queue, state: dict, arrival: float) -> TextDelta:
         delta: TextDelta = await queue.get()
-        if delta.token_ids and not state.get("first"):
-            state["first"] = True
-            self.metrics.observe_ttft(time.monotonic() - arrival)
+        now = time.monotonic()
+        if delta.token_ids:
+            if not state.get("first"):
+                state["first"] = True
+                state["ttft"] = now - arrival
+                self.metrics.observe_ttft(now - arrival)
+            else:
+                self.metrics.observe_tokens(now - state["last"], len(delta.token_ids))
+            state["last"] = now
         if delta.finished:
             state["finished"] = True
             if delta.error_status != 400:  # a request refused at admission counts as rejected, once
-                self.metrics.finished(delta.finish_reason, delta.usage)
+                self.metrics.finished(delta.finish_reason, delta.usage, now - arrival)
+            self._log_finished(delta, state, now - arrival)
         return delta
+
+    @staticmethod
+    def _log_finished(delta: TextDelta, state: dict, seconds: float) -> None:
+        """One logfmt line per finished request (per choice), keyed by its request id."""
+        u = delta.usage
+        fields = {"rid": delta.rid, "finish_reason": delta.finish_reason or "error",
+                  "prompt_tokens": u.prompt_tokens if u else None, "cached_tokens": u.cached_tokens if u else None,
+                  "completion_tokens": u.completion_tokens if u else None,
+                  "ttft_s": f"{state['ttft']:.4f}" if "ttft" in state else None, "e2e_s": f"{seconds:.4f}"}
+        if delta.error:
+            fields["error"] = json.dumps(delta.error[:200])
+        logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items() if v is not None))
 
     @staticmethod
     def _failure(delta: TextDelta) -> APIError:
@@ -249,13 +293,25 @@ class Frontend:
             return chat_logprobs(self.tokenizer, ids, entries)
         return completion_logprobs(self.tokenizer, ids, entries, offset)
 
-    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict) -> dict:
-        parts, ids, entries = [], [], []
+    def _echo(self, parsed: ParsedRequest, prompt_ids: list[int],
+              prompt_entries: list | None) -> tuple[str, dict | None]:
+        """Echo: the prompt's text and (with logprobs) its entries; the first token has none."""
+        text = self.tokenizer.decode(prompt_ids, skip_special=False)
+        if parsed.logprobs < 0:
+            return text, None
+        entries = [None] + list(prompt_entries or [])
+        return text, completion_logprobs(self.tokenizer, prompt_ids[:len(entries)], entries, 0)
+
+    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
+                       prompt_ids: list[int]) -> dict:
+        parts, ids, entries, prompt_entries = [], [], [], None
         while True:
             delta = await self._next(queue, state, arrival)
             parts.append(delta.text)
             ids += delta.token_ids
             entries += delta.logprobs or []
+            if delta.prompt_logprobs is not None:
+                prompt_entries = delta.prompt_logprobs
             if delta.finished:
                 break
         if delta.finish_reason == "error":
@@ -265,15 +321,19 @@ class Frontend:
             output.feed(ids, finished=True)
             text, reason = output.content, output.finish_reason(reason)
         self._remember(parsed, text, ids, delta.finish_reason)
-        usage = delta.usage or Usage(prompt_tokens=len(parsed.prompt_ids), completion_tokens=0)
-        body = full_response(rid, int(time.time()), parsed.model, parsed.chat, text, reason, usage)
+        usage = delta.usage or Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
+        echoed, echo_logprobs = self._echo(parsed, prompt_ids, prompt_entries) if parsed.echo else ("", None)
+        body = full_response(rid, int(time.time()), parsed.model, parsed.chat, echoed + text, reason, usage)
         if output is not None:
             body["choices"][0]["message"].update(output.message())
-        body["choices"][0]["logprobs"] = self._logprobs(parsed, ids, entries, 0)
+        logprobs = self._logprobs(parsed, ids, entries, len(echoed))
+        if echo_logprobs is not None:
+            logprobs = {k: echo_logprobs[k] + logprobs[k] for k in echo_logprobs}
+        body["choices"][0]["logprobs"] = logprobs
         return body
 
     async def _stream(self, request, rids: list[str], parsed: ParsedRequest, queues: list, arrival,
-                      states: list[dict]) -> web.StreamResponse:
+                      states: list[dict], prompt_of: list[list[int]], n: int) -> web.StreamResponse:
         created, model = int(time.time()), parsed.model
         first = await self._next(queues[0], states[0], arrival)
         # Errors before the first token (admission) still get a proper status and error body.
@@ -291,18 +351,19 @@ class Frontend:
 
         usages = await asyncio.gather(*(
             self._stream_choice(write, i, rids[0], parsed, queues[i], arrival, states[i], created,
-                                first if i == 0 else None)
+                                first if i == 0 else None, prompt_of[i])
             for i in range(len(rids))))
         if parsed.include_usage and all(u is not None for u in usages):
-            usage = usages[0]
-            usage.completion_tokens = sum(u.completion_tokens for u in usages)
+            usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages[::n]),
+                          completion_tokens=sum(u.completion_tokens for u in usages),
+                          cached_tokens=sum(u.cached_tokens for u in usages[::n]))
             await response.write(_sse(usage_chunk(rids[0], created, model, parsed.chat, usage)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def _stream_choice(self, write, index: int, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
-                             created: int, delta: TextDelta | None) -> Usage | None:
+                             created: int, delta: TextDelta | None, prompt_ids: list[int]) -> Usage | None:
         """One choice's chunks (``index``); its usage, or ``None`` when it failed."""
         model = parsed.model
         if delta is None:
@@ -311,6 +372,12 @@ class Frontend:
             await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index)
         parts, ids = [], []
         pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
+        if parsed.echo:  # the prompt first (its log-probabilities arrive before any output token)
+            echoed, echo_logprobs = self._echo(parsed, prompt_ids, delta.prompt_logprobs)
+            chunk = completion_chunk(rid, created, model, echoed, None)
+            chunk["choices"][0]["logprobs"] = echo_logprobs
+            sent = len(echoed)
+            await write(chunk, index)
         output = self._output(parsed)
         while True:
             parts.append(delta.text)

@@ -24,7 +24,7 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
         (args.moe_strategy == "offload", "experts resident (layer-major needs --moe-strategy offload)"),
         (args.ple_backend != "disk", "--ple-backend disk (layer-major needs gpu or pinned)"),
         (others == 0, f"{others} other request(s) running or waiting"),
-        (not want_logits, "a scoring request"),
+        (not want_logits, "every prompt row is needed (scoring or prompt log-probabilities)"),
         (chunk is not None and new_tokens > chunk,
          f"{new_tokens} new tokens fit one chunk (--max-prefill-length {chunk})"),
         (new_tokens <= args.layer_major_max_tokens,

@@ -77,7 +77,7 @@ class SchedulerLoop:
                 self.scheduler.fail_batch(batch, msg.error)
             else:
                 check("scheduler.result")
-                self.scheduler.process_result(batch, msg.token_ids, msg.logprobs)
+                self.scheduler.process_result(batch, msg.token_ids, msg.logprobs, msg.prompt_logprobs)
         elif isinstance(msg, ExecutorFailed):
             logger.error("executor %d failed: %s", msg.rank, msg.error)
             self._executor_gone(f"the executor failed: {msg.error}")

@@ -58,6 +58,11 @@ class Request:
     after: str | None = None  # admitted only once that request's prompt is computed
     admitted: bool = False  # PromptAdmitted went out (once per request, even if preempted later)
     match_keys: list[bytes] | None = None  # prefix-cache chain hashes of the prefill tokens, kept
+    # Prompt log-probabilities (echo): alternatives per entry (-1: none), the entries so far (one per
+    # prompt token after the first), and whether they went out.
+    prompt_logprobs: int = -1
+    prompt_lp: list = field(default_factory=list)
+    prompt_lp_sent: bool = False
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
     abort_reason: AbortReason | None = None
 
@@ -71,11 +76,16 @@ class Request:
             sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(stops))
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=sampling,
                    ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids),
-                   after=msg.after)
+                   after=msg.after, prompt_logprobs=msg.prompt_logprobs)
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def full_prompt(self) -> bool:
+        """Every prompt row is needed (scoring, prompt log-probabilities): no prefix-cache match."""
+        return self.want_logits or self.prompt_logprobs >= 0
 
     @property
     def prefill_done(self) -> bool:

@@ -74,7 +74,7 @@ class Scheduler:
         req = Request.from_msg(msg, self.config.eos_token_ids)
         req.want_logits = want_logits
         try:
-            self.check_admissible(len(req.prompt), req.max_tokens, want_logits)
+            self.check_admissible(len(req.prompt), req.max_tokens, req.full_prompt)
         except AdmissionError as e:
             self._fail(req.rid, str(e), len(req.prompt))
             return
@@ -86,7 +86,7 @@ class Scheduler:
         if prompt_len < 1:
             raise AdmissionError("the prompt must contain at least one token")
         if max_tokens < 1 and not want_logits:
-            raise AdmissionError(f"max_tokens must be >= 1, got {max_tokens}")
+            raise AdmissionError(f"max_tokens must be >= 1, got {max_tokens} (0 only with prompt log-probabilities)")
         if prompt_len + max_tokens > limit:
             raise AdmissionError(
                 f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds the model's context "
@@ -139,7 +139,7 @@ class Scheduler:
                 break
             exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
             last = end == req.prefill_len
-            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.want_logits:
+            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.full_prompt:
                 slot = self._rolling_slot(req)
                 if slot is not None:
                     exports.append([end - start, slot])
@@ -147,8 +147,9 @@ class Scheduler:
             # A resumed request (preempted while decoding) already holds its next token: no sample.
             segments.append(self._with_history(req, SegmentSpec(
                 rid=req.rid, slot=req.slot, start=start, token_ids=req.tokens(start, end), pages=pages,
-                page_base=base, sample=last and not req.want_logits and not req.output, sampling=req.sampling,
-                sample_index=0, exports=exports, want_logits=req.want_logits,
+                page_base=base, sample=last and not req.want_logits and not req.output and req.max_tokens > 0,
+                sampling=req.sampling, sample_index=0, exports=exports, want_logits=req.want_logits,
+                **self._prompt_targets(req, start, end),
             )))
             copies += req.copies
             req.copies = []
@@ -165,6 +166,14 @@ class Scheduler:
         shard, _ = hc_shard_decision(self.args, rows, any(self.requests[s.rid].prefill_done for s in segments))
         return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
                      chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0, hc_shard=shard)
+
+    @staticmethod
+    def _prompt_targets(req: Request, start: int, end: int) -> dict:
+        """A prefill chunk's prompt log-probability request: the next prompt token of each row."""
+        if req.prompt_logprobs < 0 or req.prompt_lp_sent:
+            return {}
+        return {"prompt_targets": req.prompt[start + 1:min(end + 1, req.prompt_len)],
+                "prompt_logprobs": req.prompt_logprobs}
 
     def _decode_segment(self, req: Request) -> SegmentSpec:
         start = req.num_computed
@@ -246,8 +255,10 @@ class Scheduler:
         return req.rolling_slot
 
     def process_result(self, batch: Batch, token_ids: list[int],
-                       logprobs: dict[int, TokenLogprob] | None = None) -> None:
-        """``logprobs``: segment index -> the sampled token's log-probabilities (requests that asked)."""
+                       logprobs: dict[int, TokenLogprob] | None = None,
+                       prompt_logprobs: dict[int, list[TokenLogprob]] | None = None) -> None:
+        """``logprobs``: segment index -> the sampled token's log-probabilities (requests that asked);
+        ``prompt_logprobs``: segment index -> its prompt targets' log-probabilities."""
         self.counters["forwards"] += 1
         for index, (seg, tok) in enumerate(zip(batch.segments, token_ids, strict=True)):
             req = self.requests.get(seg.rid)
@@ -268,6 +279,15 @@ class Scheduler:
             if req.abort_reason is not None:
                 self._finish(req, req.abort_reason)
                 continue
+            if prompt_logprobs and index in prompt_logprobs:  # entry j is position start + 1 + j's
+                req.prompt_lp = req.prompt_lp[:seg.start] + list(prompt_logprobs[index])
+            if req.prompt_logprobs >= 0 and req.prefill_done and not req.prompt_lp_sent:
+                req.prompt_lp_sent = True
+                self.emit(Detokenize(rid=req.rid, token_ids=[], prompt_logprobs=req.prompt_lp))
+                req.prompt_lp = []
+                if req.max_tokens == 0:
+                    self._finish(req, "length")
+                    continue
             if req.want_logits and req.prefill_done:
                 self._finish(req, "length")
                 continue
@@ -345,7 +365,7 @@ class Scheduler:
             if req.restore is not None:
                 req.copies = [[req.restore.slot, req.slot]]
             req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
-                                                        len(self.running) + len(self.waiting), req.want_logits)
+                                                        len(self.running) + len(self.waiting), req.full_prompt)
             plan = self._plan(req)
             self.running[req.rid] = req
             if req.admitted:  # resumed after a preemption: admitted (and reported) once already
@@ -361,7 +381,7 @@ class Scheduler:
     def _take_memory(self, req: Request) -> bool:
         """Match the prefix cache and take the request's pages; ``False`` (nothing taken) to wait."""
         need = self._pages_for(req.prefill_len)  # decoding takes its pages as it goes
-        if self.cache is None or req.want_logits:
+        if self.cache is None or req.full_prompt:
             # Scoring matches nothing (it needs every row's logits) but evicts cached pages like anyone.
             pages = self.pages.alloc(need) if self.cache is None else self.cache.alloc_pages(need)
             if pages is None:
@@ -391,7 +411,7 @@ class Scheduler:
         return True
 
     def _plan(self, req: Request) -> CheckpointPlan:
-        cache = self.cache if not req.want_logits else None
+        cache = self.cache if not req.full_prompt else None
         plan = plan_prompt(
             prompt_len=req.prefill_len, cached=req.num_computed,
             max_chunk=None if req.layer_major else self.args.max_prefill_length,

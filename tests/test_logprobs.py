@@ -79,7 +79,7 @@ def test_no_logprobs_unless_asked(client):
 @pytest.mark.parametrize("path,body,param,message", [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "'logprobs' must be an integer between 0 and 20"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs", "between 0 and 20"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "echo", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs",
      "'top_logprobs' needs 'logprobs': true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs",

@@ -1,0 +1,145 @@
+"""Completions ``echo`` with prompt log-probabilities and several prompts in one request, through the
+official SDK, against ``LLM.score`` and against each prompt sent alone."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+
+from tidal import LLM
+from tidal.tokenizer import load_tokenizer
+
+PROMPT = [101, 2024, 3003, 40, 77, 5, 912, 4410, 63, 2]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint)
+    return lambda ids: llm.score(ids).log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoint):
+    return load_tokenizer(tiny_checkpoint)
+
+
+def check_prompt_logprobs(lp, prompt: list[int], reference, tok, k: int) -> None:
+    """Entries ``[0, len(prompt))`` of a completions ``logprobs`` are the prompt's: ``null`` first, then
+    log_softmax of the model at each previous position, with its top ``k``."""
+    ref = reference(prompt)
+    assert lp.tokens[:len(prompt)] == [tok.decode([t], skip_special=False) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(prompt)):
+        row = ref[i - 1]
+        assert lp.token_logprobs[i] == pytest.approx(float(row[prompt[i]]), abs=1e-4)
+        if k:
+            assert list(lp.top_logprobs[i].values()) == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
+
+
+def test_echo_with_logprobs_returns_the_prompt_scored_then_the_answer(client, reference, tok):
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True})
+    prompt_text = tok.decode(PROMPT, skip_special=False)
+    choice = out.choices[0]
+    assert choice.text == prompt_text + plain.choices[0].text
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(PROMPT) + 5
+    check_prompt_logprobs(lp, PROMPT, reference, tok, 2)
+    # The answer's entries are those of the same request without echo, offsets shifted by the prompt.
+    assert lp.token_logprobs[len(PROMPT):] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset[len(PROMPT):] == [o + len(prompt_text) for o in plain.choices[0].logprobs.text_offset]
+    assert lp.text_offset[:len(PROMPT)] == sorted(lp.text_offset[:len(PROMPT)])
+    assert out.usage.prompt_tokens == len(PROMPT) and out.usage.completion_tokens == 5
+
+
+def test_echo_after_a_prefix_cache_hit_still_scores_every_prompt_token(server, client, reference, tok):
+    prompt = [random.Random(3).randrange(300, 9000) for _ in range(150)]
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    second = client.completions.create(model="tiny", prompt=prompt + [7], max_tokens=1)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0  # the prompt is in the cache
+    out = client.completions.create(model="tiny", prompt=prompt + [7], max_tokens=1, logprobs=0, echo=True)
+    # Documented: echo with logprobs computes the whole prompt (no prefix-cache reuse).
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    check_prompt_logprobs(out.choices[0].logprobs, prompt + [7], reference, tok, 0)
+    assert first.usage.prompt_tokens == len(prompt)
+    assert server.wait_idle()["tidal_kv_pages_in_use"] == 0
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(client, reference, tok):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True)
+    choice = out.choices[0]
+    assert choice.text == tok.decode(PROMPT, skip_special=False)
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0
+    assert len(choice.logprobs.token_logprobs) == len(PROMPT)
+    check_prompt_logprobs(choice.logprobs, PROMPT, reference, tok, 1)
+    no_lp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True)
+    assert no_lp.choices[0].text == choice.text and no_lp.choices[0].logprobs is None
+
+
+def test_echo_streams_the_prompt_first(client, reference, tok):
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    prompt_text = tok.decode(PROMPT, skip_special=False)
+    assert chunks[0].choices[0].text == prompt_text
+    check_prompt_logprobs(chunks[0].choices[0].logprobs, PROMPT, reference, tok, 1)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt_text + plain.choices[0].text
+    later = [c.choices[0].logprobs for c in chunks[1:] if c.choices and c.choices[0].logprobs]
+    assert later and later[0].text_offset[0] == len(prompt_text)
+    echo_only = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, stream=True))
+    assert echo_only[0].choices[0].text == prompt_text and echo_only[0].choices[0].logprobs is None
+
+
+def test_several_prompts_give_each_prompt_its_choices(client):
+    prompts = ["The tide comes", [500, 600, 700, 800, 900], "in and goes out"]
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True}) for p in prompts]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    for p, single in enumerate(alone):
+        for i in range(2):
+            assert out.choices[p * 2 + i].text == single.choices[0].text
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once
+    assert out.usage.completion_tokens == 6 * 4
+    stream = list(client.completions.create(model="tiny", prompt=prompts, max_tokens=4, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True}))
+    texts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {p: a.choices[0].text for p, a in enumerate(alone)}
+    assert stream[-1].usage.prompt_tokens == out.usage.prompt_tokens
+    assert stream[-1].usage.completion_tokens == 3 * 4
+
+
+def test_several_seeded_prompts_sample_with_seed_plus_choice_index(client):
+    prompts = ["one prompt", "another prompt"]
+    out = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=1.0, seed=11, n=2)
+    for p, prompt in enumerate(prompts):
+        for i in range(2):
+            alone = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0,
+                                              seed=11 + p * 2 + i)
+            assert out.choices[p * 2 + i].text == alone.choices[0].text
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"prompt": "x", "echo": "yes"}, "echo", "'echo' must be a boolean"),
+    ({"prompt": ["ok", 5]}, "prompt", "'prompt' must be a string, an array of token ids"),
+    ({"prompt": ["ok", [1, "a"]]}, "prompt[1]", "'prompt[1]' must be a string or an array of token ids"),
+    ({"prompt": ["x"] * 65}, "prompt", "at most 64 per request"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "'max_tokens' must be an integer, 1 or more"),
+    ({"prompt": ["ok", []]}, "prompt[1]", "'prompt[1]' must contain at least one token"),
+])
+def test_bad_echo_and_prompt_lists(client, body, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", **body)
+    err = e.value.body
+    assert err["param"] == param and message in err["message"]
