@@ -1,0 +1,112 @@
+"""Where a decode step's time goes: GPU busy against the host's share, through the real scheduler.
+
+    python scripts/profile_decode.py --out DIR [--preset bench] [--batches 1,8,32] [--contexts 16,8192]
+        [--steps 24]
+
+For each batch size and context, ``batch`` requests of ``context`` random prompt ids are prefilled and
+then decoded by ``LLM``'s own loop (scheduler + runner in one process: what the executor does per
+step, without the ZeroMQ hops). Over ``--steps`` decode steps under the torch profiler: wall time per
+step, GPU busy time per step (the union of the CUDA kernel intervals, so overlapping kernels count
+once) and the GPU's idle time between and inside steps (wall - busy). Writes ``DIR/profile_decode.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tidal import LLM
+from tidal.executor.presets import write_checkpoint
+from tidal.messages import Detokenize, GenerateReq, SamplingParams
+
+
+def busy_us(prof) -> tuple[float, int]:
+    """Union length (microseconds) of the device kernel intervals in ``prof``, and the kernel count."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    total, end = 0.0, None
+    for s, e in spans:
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total, len(spans)
+
+
+def run(llm: LLM, batch: int, context: int, steps: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    rids = [f"p{seed}-{i}" for i in range(batch)]
+    for rid in rids:
+        ids = torch.randint(1000, 30000, (context,), generator=gen).tolist()
+        llm.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=ids, max_tokens=steps + 8,
+                                              sampling=SamplingParams(), ignore_eos=True))
+    loop = llm._run()
+    produced = {rid: 0 for rid in rids}
+
+    def until(count: int) -> None:  # run the loop until every request has ``count`` output tokens
+        for event in loop:
+            if isinstance(event, Detokenize) and event.rid in produced:
+                produced[event.rid] += len(event.token_ids)
+                if min(produced.values()) >= count:
+                    return
+
+    until(2)  # prefills done, decoding under way
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = min(produced.values())
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        until(start + steps)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    for _ in loop:  # finish the requests
+        pass
+    busy, kernels = busy_us(prof)
+    n = min(produced.values()) - start
+    row = {"batch": batch, "context": context, "steps": n, "wall_ms_per_step": wall * 1e3 / n,
+           "gpu_busy_ms_per_step": busy / 1e3 / n, "gpu_idle_ms_per_step": (wall * 1e6 - busy) / 1e3 / n,
+           "gpu_idle_fraction": 1 - busy / (wall * 1e6), "kernels_per_step": kernels / n,
+           "tok_per_s": batch * n / wall}
+    print(f"batch {batch:3d} context {context:6d}: {row['wall_ms_per_step']:7.2f} ms/step, GPU busy "
+          f"{row['gpu_busy_ms_per_step']:6.2f} ms, idle {row['gpu_idle_ms_per_step']:6.2f} ms "
+          f"({row['gpu_idle_fraction'] * 100:.0f}%), {row['kernels_per_step']:.0f} kernels/step, "
+          f"{row['tok_per_s']:.1f} tok/s", flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--contexts", default="16,8192")
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    batches = [int(x) for x in ns.batches.split(",")]
+    contexts = [int(x) for x in ns.contexts.split(",")]
+    path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    longest = max(contexts) + ns.steps + 64
+    llm = LLM(path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32", load_format="random",
+              max_model_len=longest, kv_pool_tokens=max(batches) * longest + 4096,
+              max_running_requests=max(batches), max_prefill_length=8192)
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            rows.append(run(llm, batch, context, ns.steps, seed=len(rows)))
+            with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
+                json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
