@@ -147,7 +147,7 @@ class ModelRunner:
             out.logprobs[index[j]] = TokenLogprob(logprob=row[0], top_ids=[int(x) for x in row[1 + k:1 + k + n]],
                                                   top_logprobs=row[1:1 + n])
 
-    def _prompt_logprobs(self, streams, pending, row0: int, spec: SegmentSpec, block: int = 1024) -> list[TokenLogprob]:
+    def _prompt_logprobs(self, streams, pending, row0: int, spec: SegmentSpec, block: int = 256) -> list[TokenLogprob]:
         """Log-softmax of the logits of rows ``row0 + j`` at ``spec.prompt_targets[j]``, with the top
         ``spec.prompt_logprobs`` alternatives; ``block`` rows of logits at a time."""
         k = max(spec.prompt_logprobs, 0)

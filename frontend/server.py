@@ -163,6 +163,10 @@ class Frontend:
         # choice index c samples with seed + c. Echo with logprobs (or with max_tokens 0) asks for
         # the prompt's log-probabilities: such a request computes its whole prompt.
         prompts = parsed.prompts or [parsed.prompt_ids]
+        if len(prompts) * n > 1 and len(self.client.queues) + len(prompts) * n > capacity:
+            raise APIError(503, f"the server is at capacity: this request's {len(prompts) * n} choices do not fit "
+                                f"beside the requests in flight ({capacity} at most: --max-running-requests + "
+                                f"--max-queued-requests); retry shortly", type_="service_unavailable", retry_after=1)
         prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not parsed.max_tokens) else -1
         rids, prompt_of, queues = [], [], []
         for p, ids in enumerate(prompts):

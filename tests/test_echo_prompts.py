@@ -143,3 +143,18 @@ def test_bad_echo_and_prompt_lists(client, body, param, message):
         client.completions.create(model="tiny", **body)
     err = e.value.body
     assert err["param"] == param and message in err["message"]
+
+
+def test_choices_beyond_capacity_get_503_and_nothing_runs(tiny_checkpoint):
+    from server_harness import Server
+
+    srv = Server(tiny_checkpoint, "--max-running-requests", "2", "--max-queued-requests", "1", api_key=None)
+    try:
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+        assert status == 503 and "4 choices" in body["error"]["message"]
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 1, "max_tokens": 2})
+        assert status == 200 and len(body["choices"]) == 2
+        m = srv.wait_idle()
+        assert m['tidal_requests_total{finish_reason="length"}'] == 2
+    finally:
+        assert srv.stop() == []
