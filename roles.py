@@ -1,7 +1,8 @@
 """Entry point of one mesh process: ``python -m tidal.roles ROLE [RANK]``.
 
 The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` and the checkpoint path in
-``TIDAL_MODEL_PATH``; ``tidal serve`` sets both.
+``TIDAL_MODEL_PATH``; ``tidal serve`` sets both. ``tidal run ROLE`` (``deploy.py``) runs a role
+through :func:`run` too, with its own supervision around it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,31 @@ from .ipc import die_with_parent, set_process_name, setup_logging
 logger = logging.getLogger(__name__)
 
 
+ROLES = ("frontend", "scheduler", "executor", "detokenizer")
+
+
+def run(role: str, args: ServerArgs, model_path: str, rank: int = 0) -> None:
+    """Run ``role`` in this process until it returns (the frontend never returns on its own)."""
+    if role == "frontend":
+        from .frontend.server import run_frontend
+
+        run_frontend(args, model_path)
+    elif role == "scheduler":
+        from .scheduler.process import run_scheduler
+
+        run_scheduler(args, model_path)
+    elif role == "executor":
+        from .executor.process import run_executor
+
+        run_executor(args, model_path, rank)
+    elif role == "detokenizer":
+        from .detokenizer.process import run_detokenizer
+
+        run_detokenizer(args, model_path)
+    else:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+
+
 def main(argv: list[str]) -> int:
     role = argv[0]
     rank = int(argv[1]) if len(argv) > 1 else 0
@@ -30,26 +56,11 @@ def main(argv: list[str]) -> int:
     # the launcher acts on it; SIGTERM (from the launcher) ends a role at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if role not in ROLES:
+        logger.error("unknown role %r", role)
+        return 2
     try:
-        if role == "frontend":
-            from .frontend.server import run_frontend
-
-            run_frontend(args, model_path)
-        elif role == "scheduler":
-            from .scheduler.process import run_scheduler
-
-            run_scheduler(args, model_path)
-        elif role == "executor":
-            from .executor.process import run_executor
-
-            run_executor(args, model_path, rank)
-        elif role == "detokenizer":
-            from .detokenizer.process import run_detokenizer
-
-            run_detokenizer(args, model_path)
-        else:
-            logger.error("unknown role %r", role)
-            return 2
+        run(role, args, model_path, rank)
     except Exception:
         logger.exception("%s failed", name)
         return 1

@@ -1,4 +1,5 @@
 #!/bin/sh
+# Entry point of the CPU image: `tidal serve` with the container's arguments as its flags.
 # Serve /model when a checkpoint is mounted there, else the built-in demo model.
 set -e
 if [ -f /model/config.json ]; then
