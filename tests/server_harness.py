@@ -17,6 +17,19 @@ import urllib.request
 API_KEY = "test-key"
 
 
+def health_status(url: str, timeout: float = 2.0) -> int | None:
+    """The HTTP status of ``url``/health, or None when nothing answers."""
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

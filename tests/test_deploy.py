@@ -12,11 +12,9 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from server_harness import Tap, free_port
+from server_harness import Tap, free_port, health_status
 
 import tidal
 from tidal import cli, deploy
@@ -223,13 +221,7 @@ class Mesh:
                                                 env=self.envs[name], stdout=log, stderr=subprocess.STDOUT)
 
     def health(self) -> int | None:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return None
+        return health_status(self.url)
 
     def wait_health(self, status: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout

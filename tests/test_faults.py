@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from server_harness import Server, child_pids, cmdline
+from server_harness import Server, child_pids, cmdline, health_status
 
 LONG = 4000  # output tokens: a request still decoding when the fault hits
 
@@ -50,13 +50,7 @@ def in_background(fn, *args):
 
 
 def health(srv: Server) -> int | None:
-    try:
-        with urllib.request.urlopen(srv.url + "/health", timeout=1) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
+    return health_status(srv.url, timeout=1)
 
 
 def role_pid(srv: Server, name: str) -> int:
