@@ -94,6 +94,16 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
     """Raise ``ArgsError`` naming the flag when the pools cannot hold one request, or when one host's
     ranks need more memory than the device has (on the CPU: more than the host's total memory).
     Host-resident weights of a GPU rank are not checked: some hosts grow their memory on demand."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ArgsError(f"--device: {device} asked for, but this torch build or host has no CUDA device "
+                            f"(torch {torch.__version__}); use --device cpu")
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise ArgsError(f"--device: {device} asked for, but only {torch.cuda.device_count()} CUDA device(s) "
+                            "are visible")
     plan = memory_plan(args, config, device)
     if device.startswith("cuda"):
         import torch

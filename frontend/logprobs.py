@@ -7,6 +7,7 @@ device for the requests that ask.
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from ..messages import TokenLogprob
@@ -53,10 +54,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogp
     (offsets count characters from ``offset``, the length of the text already returned). A ``None``
     entry (an echoed prompt's first token) gives ``null`` values."""
     tokens = [_token(tokenizer, t) for t in token_ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
+    offsets = text_offsets(tokenizer, token_ids, offset)
     return {
         "tokens": tokens,
         "token_logprobs": [None if e is None else e.logprob for e in entries],
@@ -65,6 +63,18 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogp
                          for e in entries],
         "text_offset": offsets,
     }
+
+
+def text_offsets(tokenizer, token_ids: list[int], offset: int = 0) -> list[int]:
+    """Where each token's text starts in the decoded text, from ``offset``: the characters complete
+    before it, so a character split across tokens (each alone decodes to U+FFFD) counts once, where it
+    ends, and the offsets never decrease."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = []
+    for t in token_ids:
+        out.append(offset)
+        offset += len(decoder.decode(tokenizer.token_bytes(t)))
+    return out
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list[TokenLogprob]) -> dict[str, Any]:

@@ -94,6 +94,8 @@ class Limits:
     # The longest token in bytes (0: unknown). A string prompt of more characters than
     # max_model_len * max_token_bytes cannot fit and is refused without tokenizing it.
     max_token_bytes: int = 0
+    # Requests the server holds at once (--max-running-requests + --max-queued-requests).
+    max_requests: int = 1 << 30
 
 
 @dataclass
@@ -117,6 +119,7 @@ class ParsedRequest:
     controls: dict = field(default_factory=dict)
     # Completions: every prompt of the request (``prompt_ids`` is the first), and ``echo``.
     prompts: list[list[int]] = field(default_factory=list)
+    prompt_max_tokens: list[int] = field(default_factory=list)  # per prompt: the default fits each one
     echo: bool = False
     # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").
     parse_tool_calls: bool = False
@@ -353,7 +356,7 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     else:
         raise bad("prompt", f"'prompt' must be a string, an array of token ids, or an array of prompts (strings "
                             f"or token-id arrays), got {_show(prompt)}")
-    echo = body.get("echo", False)
+    echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise bad("echo", f"'echo' must be a boolean, got {_show(echo)}")
     params = _sampling(body, limits)
@@ -361,17 +364,26 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     from .logprobs import parse_logprobs
 
     logprobs = parse_logprobs(body, chat=False)
-    longest = max(len(p) for p in prompts)
-    if echo and body.get("max_tokens") == 0:  # the prompt alone (scored, with logprobs)
-        max_tokens = 0
-    else:
-        max_tokens = _max_tokens(body, ("max_tokens",), 16, longest, limits)
-    controls = parse_controls(body, limits.vocab_size, max_tokens)
-    if len(prompts) * controls.get("n", 1) > MAX_PROMPTS * 2:
-        raise bad("n", f"'n' ({controls.get('n', 1)}) times the prompts ({len(prompts)}) is more than "
-                       f"{MAX_PROMPTS * 2} choices per request")
-    return ParsedRequest(chat=False, prompt_ids=prompts[0], max_tokens=max_tokens, logprobs=logprobs,
-                         controls=controls, prompts=prompts, echo=echo, **params)
+    given = body.get("max_tokens")
+    if echo and _is_int(given) and given == 0:  # the prompt alone (scored, with logprobs)
+        max_tokens = [0] * len(prompts)
+    else:  # the default (16) is clamped to each prompt's room; a given value must fit every prompt
+        max_tokens = [_max_tokens(body, ("max_tokens",), 16, len(p), limits) for p in prompts]
+    for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True)):
+        if len(p) + max(m, 1) - 1 > limits.kv_capacity:
+            param = "max_tokens" if given is not None else ("prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            raise bad(param, f"the prompt{'' if len(prompts) == 1 else f' {i}'} ({len(p)} tokens) plus max_tokens "
+                             f"({m}) needs more than the {limits.kv_capacity} tokens the KV cache holds")
+    controls = parse_controls(body, limits.vocab_size, min(max_tokens))
+    n = controls.get("n", 1)
+    if len(prompts) * n > MAX_PROMPTS * 2:
+        raise bad("n", f"'n' ({n}) times the prompts ({len(prompts)}) is more than {MAX_PROMPTS * 2} choices per "
+                       "request")
+    if len(prompts) * n > limits.max_requests:
+        raise bad("n", f"'n' ({n}) times the prompts ({len(prompts)}) is more than the {limits.max_requests} "
+                       "requests this server holds at once (--max-running-requests + --max-queued-requests)")
+    return ParsedRequest(chat=False, prompt_ids=prompts[0], max_tokens=max_tokens[0], logprobs=logprobs,
+                         controls=controls, prompts=prompts, prompt_max_tokens=max_tokens, echo=echo, **params)
 
 
 def _message_text(m: dict, i: int) -> str:

@@ -70,7 +70,8 @@ class Frontend:
         max_token_bytes = max((len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.n_vocab)), default=0)
         self.limits = Limits(model_name=args.model_name, max_model_len=sizes.max_model_len,
                              kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size,
-                             default_max_tokens=args.default_max_tokens, max_token_bytes=max_token_bytes)
+                             default_max_tokens=args.default_max_tokens, max_token_bytes=max_token_bytes,
+                             max_requests=args.max_running_requests + args.max_queued_requests)
         self.metrics = Metrics()
         self.answers = AnswerMemory()
         self.client = EngineClient(args.scheduler_addr, args.frontend_addr, self.metrics)
@@ -107,7 +108,10 @@ class Frontend:
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return _error(APIError(e.status, e.reason or "error", type_="invalid_request_error"))
+            response = _error(APIError(e.status, e.reason or "error", type_="invalid_request_error"))
+            if "Allow" in e.headers:  # 405: the methods the path takes
+                response.headers["Allow"] = e.headers["Allow"]
+            return response
         except Exception:  # a bug must not take the connection down without an answer
             logger.exception("unhandled error on %s %s", request.method, request.path)
             return _error(APIError(500, "internal server error", type_="server_error"))
@@ -163,11 +167,12 @@ class Frontend:
         # choice index c samples with seed + c. Echo with logprobs (or with max_tokens 0) asks for
         # the prompt's log-probabilities: such a request computes its whole prompt.
         prompts = parsed.prompts or [parsed.prompt_ids]
+        max_tokens = parsed.prompt_max_tokens or [parsed.max_tokens]
         if len(prompts) * n > 1 and len(self.client.queues) + len(prompts) * n > capacity:
             raise APIError(503, f"the server is at capacity: this request's {len(prompts) * n} choices do not fit "
                                 f"beside the requests in flight ({capacity} at most: --max-running-requests + "
                                 f"--max-queued-requests); retry shortly", type_="service_unavailable", retry_after=1)
-        prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not parsed.max_tokens) else -1
+        prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not max(max_tokens)) else -1
         rids, prompt_of, queues = [], [], []
         for p, ids in enumerate(prompts):
             base = rid if p == 0 else f"{rid}-{p}"
@@ -177,7 +182,7 @@ class Frontend:
                 rids.append(choice_rid)
                 prompt_of.append(ids)
                 queues.append(await self.client.submit(GenerateReq(
-                    rid=choice_rid, prompt_ids=ids, max_tokens=parsed.max_tokens,
+                    rid=choice_rid, prompt_ids=ids, max_tokens=max_tokens[p],
                     sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
                                             seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
                     ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
@@ -357,10 +362,11 @@ class Frontend:
             self._stream_choice(write, i, rids[0], parsed, queues[i], arrival, states[i], created,
                                 first if i == 0 else None, prompt_of[i])
             for i in range(len(rids))))
-        if parsed.include_usage and all(u is not None for u in usages):
-            usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in usages[::n]),
-                          completion_tokens=sum(u.completion_tokens for u in usages),
-                          cached_tokens=sum(u.cached_tokens for u in usages[::n]))
+        if parsed.include_usage and any(u is not None for u in usages):  # the choices that ran
+            firsts = [u for u in usages[::n] if u is not None]
+            usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
+                          completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
+                          cached_tokens=sum(u.cached_tokens for u in firsts))
             await response.write(_sse(usage_chunk(rids[0], created, model, parsed.chat, usage)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -404,9 +410,10 @@ class Frontend:
             if delta.finished:
                 break
             delta = await self._next(queue, state, arrival)
-        if delta.finish_reason == "error":
-            err = APIError(500, delta.error or "the request failed", type_="server_error")
-            await write(err.body(), index)
+        if delta.finish_reason == "error":  # an error event naming the choice
+            body = self._failure(delta).body()
+            body["error"]["index"] = index
+            await write(body, index)
             return None
         self._remember(parsed, output.content if output else "".join(parts), ids, delta.finish_reason)
         reason = output.finish_reason(delta.finish_reason) if output else delta.finish_reason

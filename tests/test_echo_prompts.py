@@ -145,16 +145,66 @@ def test_bad_echo_and_prompt_lists(client, body, param, message):
     assert err["param"] == param and message in err["message"]
 
 
-def test_choices_beyond_capacity_get_503_and_nothing_runs(tiny_checkpoint):
+def test_choices_beyond_what_the_server_holds_are_refused_up_front(tiny_checkpoint):
     from server_harness import Server
 
-    srv = Server(tiny_checkpoint, "--max-running-requests", "2", "--max-queued-requests", "1", api_key=None)
+    srv = Server(tiny_checkpoint, "--max-running-requests", "2", "--max-queued-requests", "1",
+                 "--kv-pool-tokens", "512", api_key=None)
     try:
+        # More choices than the server ever holds at once: a 400 (a retry cannot help), nothing runs.
         status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
-        assert status == 503 and "4 choices" in body["error"]["message"]
+        assert status == 400 and body["error"]["param"] == "n" and "3 requests" in body["error"]["message"]
+        # A prompt of the list that can never fit the KV cache: a 400 naming it, before any streaming.
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [[6] * 10, [5] * 500], "max_tokens": 20,
+                                                    "stream": True})
+        assert status == 400 and body["error"]["param"] == "max_tokens" and "512 tokens" in body["error"]["message"]
+        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": [[6] * 10, [5] * 510]})
+        assert status == 400 and body["error"]["param"] == "prompt[1]"
         status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 1, "max_tokens": 2})
         assert status == 200 and len(body["choices"]) == 2
         m = srv.wait_idle()
-        assert m['tidal_requests_total{finish_reason="length"}'] == 2
+        assert m['tidal_requests_total{finish_reason="length"}'] == 2 and m["tidal_kv_pages_in_use"] == 0
     finally:
         assert srv.stop() == []
+
+
+def test_echo_text_offsets_index_the_text_when_characters_span_tokens(client, tok):
+    prompt = "\U0001d518\U0001d52b\U0001d526 ok \u0a6e\U00013000"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, logprobs=0,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    ids = tok.encode(prompt)
+    assert choice.text.startswith(prompt)
+    offsets = choice.logprobs.text_offset
+    assert len(offsets) == len(ids) + 4
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(choice.text)
+    assert offsets[len(ids)] == len(prompt)  # the answer starts where the prompt's text ends
+    # Token i starts after the characters its predecessors' bytes complete.
+    for i in range(len(ids)):
+        before = b"".join(tok.token_bytes(t) for t in ids[:i]).decode("utf-8", errors="ignore")
+        assert offsets[i] == len(before)
+
+
+def test_default_max_tokens_fit_each_prompt():
+    from tidal.frontend.protocol import Limits, parse_completion
+
+    limits = Limits(model_name="m", max_model_len=100, kv_capacity=1000, vocab_size=1000)
+    parsed = parse_completion({"prompt": [[1, 2], [3] * 95]}, limits, tokenizer=None)
+    assert parsed.prompt_max_tokens == [16, 5]  # the default, clamped to each prompt's room
+    parsed = parse_completion({"prompt": [[1, 2], [3] * 80], "max_tokens": 20}, limits, tokenizer=None)
+    assert parsed.prompt_max_tokens == [20, 20]
+    with pytest.raises(Exception) as e:  # a given value must fit every prompt
+        parse_completion({"prompt": [[1, 2], [3] * 95], "max_tokens": 20}, limits, tokenizer=None)
+    assert e.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize("value", [False, 0.0])
+def test_echo_max_tokens_zero_must_be_the_integer(client, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", echo=True, max_tokens=value)
+    assert e.value.body["param"] == "max_tokens"
+
+
+def test_echo_null_is_no_echo(server):
+    status, body = server.post("/v1/completions", {"model": "tiny", "prompt": "abc", "echo": None, "max_tokens": 1})
+    assert status == 200 and not body["choices"][0]["text"].startswith("abc")

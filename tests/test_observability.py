@@ -3,6 +3,7 @@ progress bars, ``--help`` defaults, ``--version`` and one-line start-up errors."
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -172,5 +173,23 @@ def test_startup_errors_are_one_line_naming_the_flag_before_any_process_starts(t
     assert "--state-slots" in line
     line = one_line_error(run_tidal("serve", "--model", tiny_checkpoint, "--tp", "0"))
     assert "--tp" in line
+    import torch
+
+    if not torch.cuda.is_available():
+        line = one_line_error(run_tidal("serve", "--model", tiny_checkpoint, "--device", "cuda"))
+        assert "--device" in line and "no CUDA device" in line
     # All of them well before a mesh could have loaded anything (each role process imports torch).
     assert time.monotonic() - t0 < 60
+
+
+def test_a_method_the_path_does_not_take_gets_405_with_allow(server):
+    import urllib.error
+    import urllib.request
+
+    for method, path, allowed in (("POST", "/", "GET"), ("GET", "/v1/completions", "POST")):
+        req = urllib.request.Request(server.url + path, method=method, data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code == 405
+        assert allowed in e.value.headers["Allow"]
+        assert "error" in json.loads(e.value.read())
