@@ -183,7 +183,7 @@ BAD_REQUESTS = [
     ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),
     ("empty prompt", {"prompt": ""}, "prompt"),
-    ("batch of prompts", {"prompt": ["a", "b"]}, "prompt"),
+    ("prompts mixed with ids", {"prompt": ["a", 5]}, "prompt"),
 ]
 
 
@@ -301,15 +301,19 @@ def test_bad_flag_values_name_the_flag(tiny_checkpoint):
 
 
 def test_a_request_refused_by_the_scheduler_counts_once(tiny_checkpoint):
-    """More KV pages than the pool holds: a 400 with the scheduler's words, counted as rejected only."""
+    """More KV pages than the pool holds: a 400 with the scheduler's words, counted as rejected only.
+    (Completions check this in the frontend, before anything streams; chat requests meet the scheduler.)"""
     srv = Server(tiny_checkpoint, "--kv-pool-tokens", "1024", api_key=None)
     try:
         start = srv.metrics()
+        status, body = srv.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2000,
+                                                         "messages": [{"role": "user", "content": "hi " * 20}]})
+        assert status == 400 and "KV pages" in body["error"]["message"], body
         status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": list(range(1, 101)),
                                                     "max_tokens": 2000})
-        assert status == 400 and "KV pages" in body["error"]["message"], body
+        assert status == 400 and body["error"]["param"] == "max_tokens", body
         m = srv.metrics()
-        assert m["tidal_requests_rejected_total"] == start["tidal_requests_rejected_total"] + 1
+        assert m["tidal_requests_rejected_total"] == start["tidal_requests_rejected_total"] + 2
         for reason in ("error", "abort"):
             key = f'tidal_requests_total{{finish_reason="{reason}"}}'
             assert m.get(key, 0) == start.get(key, 0), key
