@@ -44,3 +44,24 @@ def llm_batch(segments):
     from tidal.messages import Batch
 
     return Batch(batch_id=0, segments=segments)
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_on_the_device_equal_score(tiny_checkpoint):
+    """Echo's prompt log-probabilities (the runner's blocks of prompt rows, over two prefill chunks)
+    against log_softmax of ``LLM.score`` on the same device, float32."""
+    from tidal.messages import Detokenize, GenerateReq
+
+    llm = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=300)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1000, 240000, (500,), generator=gen).tolist()
+    llm.scheduler.add_request(GenerateReq(rid="e", prompt_ids=ids, max_tokens=0, prompt_logprobs=3))
+    entries = [e for ev in llm._run() if isinstance(ev, Detokenize) and ev.prompt_logprobs
+               for e in ev.prompt_logprobs]
+    ref = llm.score(ids).log_softmax(-1)
+    assert len(entries) == len(ids) - 1
+    got = torch.tensor([e.logprob for e in entries])
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    top = ref[:-1].topk(3, dim=-1)  # values, not ids: near-ties may order differently between two GEMMs
+    torch.testing.assert_close(torch.tensor([e.top_logprobs for e in entries]), top.values, atol=1e-4, rtol=0)
