@@ -165,7 +165,9 @@ class Frontend:
         # Choice index p * n + i: prompt p's choice i. Choice i > 0 is its own request, admitted once
         # choice 0 has computed the prompt (it finds the prompt in the prefix cache); with a seed,
         # choice index c samples with seed + c. Echo with logprobs (or with max_tokens 0) asks for
-        # the prompt's log-probabilities: such a request computes its whole prompt.
+        # the prompt's log-probabilities: such a request computes its whole prompt. Choice 0 of a prompt
+        # does, and hands the entries to the prompt's other choices (``shares``), which then find the
+        # prompt in the prefix cache like any choice i > 0.
         prompts = parsed.prompts or [parsed.prompt_ids]
         max_tokens = parsed.prompt_max_tokens or [parsed.max_tokens]
         if len(prompts) * n > 1 and len(self.client.queues) + len(prompts) * n > capacity:
@@ -173,14 +175,16 @@ class Frontend:
                                 f"beside the requests in flight ({capacity} at most: --max-running-requests + "
                                 f"--max-queued-requests); retry shortly", type_="service_unavailable", retry_after=1)
         prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not max(max_tokens)) else -1
-        rids, prompt_of, queues = [], [], []
+        rids, prompt_of, queues, shares = [], [], [], []
         for p, ids in enumerate(prompts):
             base = rid if p == 0 else f"{rid}-{p}"
+            entries = asyncio.get_running_loop().create_future() if prompt_lp >= 0 and max_tokens[p] else None
             for i in range(n):
                 choice_rid = base if i == 0 else f"{base}.{i}"
                 seed = None if parsed.seed is None else (parsed.seed + p * n + i + 2**63) % 2**64 - 2**63
                 rids.append(choice_rid)
                 prompt_of.append(ids)
+                shares.append(None if entries is None else (i == 0, entries))
                 queues.append(await self.client.submit(GenerateReq(
                     rid=choice_rid, prompt_ids=ids, max_tokens=max_tokens[p],
                     sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
@@ -188,14 +192,16 @@ class Frontend:
                     ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
                     stop_token_ids=parsed.controls["stop_token_ids"],
                     include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
-                    after=None if i == 0 else base, prompt_logprobs=prompt_lp)))
+                    after=None if i == 0 else base,
+                    prompt_logprobs=prompt_lp if i == 0 or entries is None else -1)))
         # Per choice: "first": a token arrived; "finished": the request ended on the server.
         states: list[dict] = [{} for _ in rids]
         try:
             if parsed.stream:
-                return await self._stream(request, rids, parsed, queues, arrival, states, prompt_of, n)
-            results = await asyncio.gather(*(self._collect(r, parsed, q, arrival, st, ids)
-                                             for r, q, st, ids in zip(rids, queues, states, prompt_of, strict=True)))
+                return await self._stream(request, rids, parsed, queues, arrival, states, prompt_of, n, shares)
+            results = await asyncio.gather(*(
+                self._collect(r, parsed, q, arrival, st, ids, share)
+                for r, q, st, ids, share in zip(rids, queues, states, prompt_of, shares, strict=True)))
             return _json(self._merge(results, n))
         finally:
             for choice_rid, state in zip(rids, states, strict=True):
@@ -311,18 +317,35 @@ class Frontend:
         entries = [None] + list(prompt_entries or [])
         return text, completion_logprobs(self.tokenizer, prompt_ids[:len(entries)], entries, 0)
 
+    @staticmethod
+    async def _prompt_entries(share, own: list | None) -> list | None:
+        """Echo's prompt entries of a choice: its own, or those of its prompt's choice 0 (``share``)."""
+        if share is None:
+            return own
+        owner, entries = share
+        if owner:
+            if not entries.done():
+                entries.set_result(own)
+            return own
+        return await entries
+
     async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
-                       prompt_ids: list[int]) -> dict:
+                       prompt_ids: list[int], share=None) -> dict:
         parts, ids, entries, prompt_entries = [], [], [], None
-        while True:
-            delta = await self._next(queue, state, arrival)
-            parts.append(delta.text)
-            ids += delta.token_ids
-            entries += delta.logprobs or []
-            if delta.prompt_logprobs is not None:
-                prompt_entries = delta.prompt_logprobs
-            if delta.finished:
-                break
+        try:
+            while True:
+                delta = await self._next(queue, state, arrival)
+                parts.append(delta.text)
+                ids += delta.token_ids
+                entries += delta.logprobs or []
+                if delta.prompt_logprobs is not None:
+                    prompt_entries = delta.prompt_logprobs
+                if delta.finished:
+                    break
+        finally:  # a choice 0 that failed still releases its prompt's other choices
+            if share is not None and share[0] and not share[1].done():
+                share[1].set_result(prompt_entries)
+        prompt_entries = await self._prompt_entries(share, prompt_entries)
         if delta.finish_reason == "error":
             raise self._failure(delta)
         text, reason, output = "".join(parts), delta.finish_reason, self._output(parsed)
@@ -342,7 +365,7 @@ class Frontend:
         return body
 
     async def _stream(self, request, rids: list[str], parsed: ParsedRequest, queues: list, arrival,
-                      states: list[dict], prompt_of: list[list[int]], n: int) -> web.StreamResponse:
+                      states: list[dict], prompt_of: list[list[int]], n: int, shares: list) -> web.StreamResponse:
         created, model = int(time.time()), parsed.model
         first = await self._next(queues[0], states[0], arrival)
         # Errors before the first token (admission) still get a proper status and error body.
@@ -360,7 +383,7 @@ class Frontend:
 
         usages = await asyncio.gather(*(
             self._stream_choice(write, i, rids[0], parsed, queues[i], arrival, states[i], created,
-                                first if i == 0 else None, prompt_of[i])
+                                first if i == 0 else None, prompt_of[i], shares[i])
             for i in range(len(rids))))
         if parsed.include_usage and any(u is not None for u in usages):  # the choices that ran
             firsts = [u for u in usages[::n] if u is not None]
@@ -373,17 +396,22 @@ class Frontend:
         return response
 
     async def _stream_choice(self, write, index: int, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
-                             created: int, delta: TextDelta | None, prompt_ids: list[int]) -> Usage | None:
+                             created: int, delta: TextDelta | None, prompt_ids: list[int], share=None) -> Usage | None:
         """One choice's chunks (``index``); its usage, or ``None`` when it failed."""
         model = parsed.model
-        if delta is None:
-            delta = await self._next(queue, state, arrival)
+        try:
+            if delta is None:
+                delta = await self._next(queue, state, arrival)
+        finally:  # choice 0's first message carries its prompt's entries (or its error)
+            if share is not None and share[0] and not share[1].done():
+                share[1].set_result(delta.prompt_logprobs if delta is not None else None)
         if parsed.chat:
             await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index)
         parts, ids = [], []
         pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
         if parsed.echo:  # the prompt first (its log-probabilities arrive before any output token)
-            echoed, echo_logprobs = self._echo(parsed, prompt_ids, delta.prompt_logprobs)
+            prompt_entries = await self._prompt_entries(share, delta.prompt_logprobs)
+            echoed, echo_logprobs = self._echo(parsed, prompt_ids, prompt_entries)
             chunk = completion_chunk(rid, created, model, echoed, None)
             chunk["choices"][0]["logprobs"] = echo_logprobs
             sent = len(echoed)

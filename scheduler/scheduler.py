@@ -139,7 +139,7 @@ class Scheduler:
                 break
             exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
             last = end == req.prefill_len
-            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.full_prompt:
+            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.want_logits:
                 slot = self._rolling_slot(req)
                 if slot is not None:
                     exports.append([end - start, slot])
@@ -411,7 +411,7 @@ class Scheduler:
         return True
 
     def _plan(self, req: Request) -> CheckpointPlan:
-        cache = self.cache if not req.full_prompt else None
+        cache = self.cache if not req.want_logits else None  # prompt log-probabilities still write checkpoints
         plan = plan_prompt(
             prompt_len=req.prefill_len, cached=req.num_computed,
             max_chunk=None if req.layer_major else self.args.max_prefill_length,

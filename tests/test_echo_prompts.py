@@ -208,3 +208,31 @@ def test_echo_max_tokens_zero_must_be_the_integer(client, value):
 def test_echo_null_is_no_echo(server):
     status, body = server.post("/v1/completions", {"model": "tiny", "prompt": "abc", "echo": None, "max_tokens": 1})
     assert status == 200 and not body["choices"][0]["text"].startswith("abc")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_n_scores_the_prompt_once_and_shares_it(server, client, reference, tok, stream):
+    prompt = [random.Random(11 + stream).randrange(300, 9000) for _ in range(150)]
+    before = server.wait_idle()
+    kwargs = dict(model="tiny", prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True, n=3,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        texts, lps = {}, {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if c.logprobs and c.logprobs.token_logprobs and c.logprobs.token_logprobs[0] is None:
+                    lps[c.index] = c.logprobs  # the echo chunk
+        assert sorted(lps) == [0, 1, 2]
+        for i in range(3):
+            check_prompt_logprobs(lps[i], prompt, reference, tok, 1)
+        assert texts[0] == texts[1] == texts[2]
+    else:
+        out = client.completions.create(**kwargs)
+        for c in out.choices:
+            check_prompt_logprobs(c.logprobs, prompt, reference, tok, 1)
+        assert out.choices[0].text == out.choices[1].text == out.choices[2].text
+    after = server.wait_idle()
+    # Choices 1 and 2 restored the prompt from the prefix cache (up to its last checkpoint).
+    cached = after["tidal_scheduler_cached_tokens_total"] - before["tidal_scheduler_cached_tokens_total"]
+    assert cached >= 2 * 128
