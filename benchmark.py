@@ -192,6 +192,9 @@ class Bench:
         }
         checks = check(obs, len(prompt), self.ns.max_tokens, received)
         if self.tap is not None and "response" not in checks:
+            if rec is None and self.tap.messages == 0:  # a wrong address, not a failed request
+                raise EndpointError(f"--tap-addr {self.ns.tap_addr}: nothing was published there while a request "
+                                    f"ran (is it this server's --tap-addr?)")
             checks["tap"] = None if rec is not None else f"no finished Detokenize on the tap for {obs['id']}"
             if rec is not None:
                 checks["tap_prompt_tokens"] = None if rec.prompt_tokens == len(prompt) else (

@@ -135,6 +135,8 @@ def test_bench_without_tap_reads_usage(keyed_server, tmp_path):
     (["--concurrency", "0"], ["--concurrency", "1 or more"]),
     (["--prompt-tokens", "32,x"], ["--prompt-tokens"]),
     (["--token-ids", "1000:1002", "--pairs", "3"], ["--token-ids", "distinct"]),
+    (["--tap-addr", "ipc:///tmp/tidal-no-such-tap", "--warmups", "1", "--pairs", "1", "--requests", "0",
+      "--prompt-tokens", "16", "--max-tokens", "2"], ["--tap-addr", "nothing was published"]),
 ])
 def test_bad_input_is_one_line(keyed_server, tmp_path, args, words):
     proc = bench("--base-url", keyed_server.url, "--out", str(tmp_path), *args, env={"OPENAI_API_KEY": API_KEY})
