@@ -63,6 +63,9 @@ class ServerArgs:
     detokenizer_addr: str | None = None
     frontend_addr: str | None = None
     control_addr: str | None = None
+    # Bind this process's own tcp:// sockets on this host (e.g. 0.0.0.0) at their addresses' ports, so
+    # that the addresses can name hosts or services (``tidal run --bind-host``); None binds them as given.
+    bind_host: str | None = None
     log_level: str = "info"
     # Failure handling and shutdown.
     restart_on_failure: bool = False
@@ -150,6 +153,12 @@ class ServerArgs:
         if self.tp > 1 and "{rank}" not in template:
             raise ArgsError(f"--executor-addr: must contain {{rank}} with --tp {self.tp}, got {template!r}")
         return [template.replace("{rank}", str(rank)) for rank in range(self.tp)]
+
+    def bind_addr(self, addr: str) -> str:
+        """``addr`` as this process binds it: ``bind_host`` in place of a ``tcp://`` address's host."""
+        if self.bind_host is None or not addr.startswith("tcp://"):
+            return addr
+        return f"tcp://{self.bind_host}:{addr.rsplit(':', 1)[1]}"
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)

@@ -122,37 +122,12 @@ class RunPlan:
 
     def bind(self, addr: str) -> str:
         """``addr`` as this process binds it (``--bind-host`` in place of a ``tcp://`` host)."""
-        host = self.options.bind_host
-        if host is None or not addr.startswith("tcp://"):
-            return addr
-        return f"tcp://{host}:{addr.rsplit(':', 1)[1]}"
+        return self.args.replace(bind_host=self.options.bind_host).bind_addr(addr)
 
     def role_args(self, control_addr: str) -> ServerArgs:
         """The arguments the role runs with: its control messages go to ``control_addr`` (this process's
-        relay) and its own sockets bind as :meth:`bind` says."""
-        a = self.args.replace(control_addr=control_addr)
-        if self.role == "frontend":
-            return a.replace(frontend_addr=self.bind(a.frontend_addr))
-        if self.role == "scheduler":
-            return a.replace(scheduler_addr=self.bind(a.scheduler_addr))
-        if self.role == "detokenizer":
-            return a.replace(detokenizer_addr=self.bind(a.detokenizer_addr),
-                             tap_addr=a.tap_addr and self.bind(a.tap_addr))
-        addrs = a.executor_addrs()
-        addrs[self.options.rank] = self.bind(addrs[self.options.rank])
-        return _with_executor_addrs(a, addrs)
-
-
-def _with_executor_addrs(args: ServerArgs, addrs: list[str]) -> ServerArgs:
-    """``args`` whose ``executor_addrs()`` are ``addrs``: an executor binds its own entry on
-    ``--bind-host`` while the template names every rank's host. No field changes, so the ranks'
-    settings digests still agree."""
-
-    class BoundExecutorArgs(type(args)):
-        def executor_addrs(self) -> list[str]:
-            return list(addrs)
-
-    return BoundExecutorArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+        relay) and its own sockets bind on ``--bind-host`` (``ServerArgs.bind_addr``)."""
+        return self.args.replace(control_addr=control_addr, bind_host=self.options.bind_host)
 
 
 # ---- flags and environment --------------------------------------------------------------------

@@ -91,10 +91,10 @@ class Detokenizer:
 
 def run_detokenizer(args: ServerArgs, model_path: str) -> None:
     ctx = zmq.Context()
-    inbound: Pull = Pull(ctx, args.detokenizer_addr, DetokenizerInbound, bind=True)
+    inbound: Pull = Pull(ctx, args.bind_addr(args.detokenizer_addr), DetokenizerInbound, bind=True)
     to_frontend: Push[FrontendInbound] = Push(ctx, args.frontend_addr)
     to_scheduler: Push[SchedulerInbound] = Push(ctx, args.scheduler_addr)
-    tap = Publisher(ctx, args.tap_addr) if args.tap_addr else None
+    tap = Publisher(ctx, args.bind_addr(args.tap_addr)) if args.tap_addr else None
     control: Push = Push(ctx, args.control_addr)
     detok = Detokenizer(load_tokenizer(model_path), to_frontend.send, to_scheduler.send,
                         tap.publish if tap else None)

@@ -58,7 +58,7 @@ def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
 
 def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     ctx = zmq.Context()
-    inbound: Pull = Pull(ctx, args.executor_addrs()[rank], ExecutorInbound, bind=True)
+    inbound: Pull = Pull(ctx, args.bind_addr(args.executor_addrs()[rank]), ExecutorInbound, bind=True)
     results: Push = Push(ctx, args.scheduler_addr)
     control: Push = Push(ctx, args.control_addr)
     config = ModelConfig.from_file(model_path)

@@ -74,7 +74,7 @@ class Frontend:
                              max_requests=args.max_running_requests + args.max_queued_requests)
         self.metrics = Metrics()
         self.answers = AnswerMemory()
-        self.client = EngineClient(args.scheduler_addr, args.frontend_addr, self.metrics)
+        self.client = EngineClient(args.scheduler_addr, args.bind_addr(args.frontend_addr), self.metrics)
         self.created = int(time.time())
 
     # ---- app --------------------------------------------------------------------------------

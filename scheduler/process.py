@@ -39,7 +39,7 @@ class SchedulerLoop:
         config = ModelConfig.from_file(model_path)
         self.sizes = pool_sizes(args, config)
         self.ctx = zmq.Context()
-        self.inbound: Pull = Pull(self.ctx, args.scheduler_addr, SchedulerInbound, bind=True)
+        self.inbound: Pull = Pull(self.ctx, args.bind_addr(args.scheduler_addr), SchedulerInbound, bind=True)
         self.to_detok: Push = Push(self.ctx, args.detokenizer_addr)
         self.to_executors = [Push(self.ctx, addr) for addr in args.executor_addrs()]
         self.control: Push = Push(self.ctx, args.control_addr)
