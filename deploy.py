@@ -44,6 +44,7 @@ signal ends a process at once.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import contextlib
 import dataclasses
@@ -262,7 +263,7 @@ def model_path(args: ServerArgs) -> str:
 
 
 # ---- the process's side of supervision --------------------------------------------------------
-class Watch(threading.Thread):
+class Watch(threading.Thread, abc.ABC):
     """The thread beside a role: reads the role's control messages from the private relay, follows
     signals and the role's end, and ends the process (the role's thread never does)."""
 
@@ -314,8 +315,9 @@ class Watch(threading.Thread):
             logger.exception("supervision of %s failed", self.name)
             self.finish(1)
 
+    @abc.abstractmethod
     def loop(self) -> None:
-        raise NotImplementedError
+        """The watch: a member's heartbeats, or the supervisor's control loop."""
 
 
 class Member(Watch):

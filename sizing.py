@@ -94,7 +94,8 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
     """Raise ``ArgsError`` naming the flag when the pools cannot hold one request, or when one host's
     ranks need more memory than the device has (on the CPU: more than the host's total memory).
     Host-resident weights of a GPU rank are not checked: some hosts grow their memory on demand."""
-    if device.startswith("cuda"):
+    cuda = device.startswith("cuda")
+    if cuda:
         import torch
 
         if not torch.cuda.is_available():
@@ -104,20 +105,14 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
         if index >= torch.cuda.device_count():
             raise ArgsError(f"--device: {device} asked for, but only {torch.cuda.device_count()} CUDA device(s) "
                             "are visible")
-    plan = memory_plan(args, config, device)
-    if device.startswith("cuda"):
-        import torch
-
-        have = torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
-        where = f"{device} has"
-        ranks = 1
+        have, where, ranks = torch.cuda.get_device_properties(index).total_memory, f"{device} has", 1
     else:
-        have = host_memory_total()
-        where = "the host has"
+        have, where = host_memory_total(), "the host has"
         ranks = args.tp // args.nnodes  # every rank of this host shares its memory
         if have is None:
             return
-    weights = (plan["weights_device"] + (0 if device.startswith("cuda") else plan["weights_host"])) * ranks
+    plan = memory_plan(args, config, device)
+    weights = (plan["weights_device"] + (0 if cuda else plan["weights_host"])) * ranks
     kv, state = plan["kv"] * ranks, plan["state"] * ranks
     if weights > have:
         raise ArgsError(f"--dtype: the weights alone need {weights / GiB:.1f} GiB in "

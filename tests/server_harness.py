@@ -30,6 +30,25 @@ def health_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+async def stream_one(session, url: str, body: dict) -> dict:
+    """One streamed completion through an ``aiohttp`` session: ``rid``, ``usage``, ``done`` (``[DONE]``
+    arrived) and the ``text`` of choice 0."""
+    usage, done, rid, text = None, False, None, ""
+    async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                rid = chunk["id"].removeprefix("cmpl-")
+                usage = chunk.get("usage") or usage
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+    return {"rid": rid, "usage": usage, "done": done, "text": text}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

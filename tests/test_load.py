@@ -13,7 +13,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from server_harness import Server, Tap
+from server_harness import Server, Tap, stream_one
 
 N_LOAD = 200
 
@@ -35,23 +35,6 @@ def load_requests() -> list[dict]:
                     "max_tokens": rng.randrange(1, 8), "ignore_eos": True, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}})
     return out
-
-
-async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    usage, done, rid, text = None, False, None, ""
-    async with session.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                rid = chunk["id"].removeprefix("cmpl-")
-                usage = chunk.get("usage") or usage
-                if chunk["choices"]:
-                    text += chunk["choices"][0]["text"]
-    return {"rid": rid, "usage": usage, "done": done, "text": text}
 
 
 def test_200_concurrent_streams_equal_the_same_requests_alone(server):

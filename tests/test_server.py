@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 import pytest
-from server_harness import Server, child_pids, cmdline
+from server_harness import Server, child_pids, cmdline, stream_one
 
 from tidal import LLM
 
@@ -112,18 +112,8 @@ def test_sixteen_concurrent_streams_then_pools_idle(server):
     async def one(session, i):
         body = {"model": "tiny", "prompt": f"request number {i} " * (i + 1), "max_tokens": 10 + i,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-        usage, done = None, False
-        async with session.post(server.url + "/v1/completions", json=body) as r:
-            assert r.status == 200
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-        return i, usage, done
+        out = await stream_one(session, server.url, body)
+        return i, out["usage"], out["done"]
 
     async def go():
         async with aiohttp.ClientSession(headers=server.headers()) as s:
