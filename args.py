@@ -52,6 +52,7 @@ class ServerArgs:
     ple_backend: str = "gpu"  # "gpu" | "pinned" | "disk"
     prefill_layer_major: bool = False
     layer_major_max_tokens: int = 32768
+    disable_cuda_graph: bool = False
     # Wiring.
     api_key: str | None = None
     tap_addr: str | None = None
@@ -261,6 +262,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "turn), so each layer's streamed experts cross to the device once")
     p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
                    help="the most new prompt tokens a layer-major prefill takes")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run every decode step eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
+                        "with resident experts, --ple-backend gpu and --tp 1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: none, no key)")
     p.add_argument("--tap-addr", default=None,

@@ -11,6 +11,7 @@ import torch
 from ..config import ModelConfig
 from ..faults import scripted_output
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
+from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
 from .layers.hyper_connection import GatedResidual
@@ -49,6 +50,15 @@ class ModelRunner:
         self.expert_store = expert_store
         self.hc_shard_forwards = 0
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(self, max_batch: int, max_pages: int, capture: bool) -> None:
+        """Run decode batches of up to ``max_batch`` rows from CUDA graphs (``capture``) or, without it,
+        as the same padded fixed-shape step run eagerly. The pools' last slot and last page are the
+        padding rows' (``build_runner`` allocates one of each beyond the scheduler's counts)."""
+        self.graphs = DecodeGraphs(self.model, self.config, self.kv, self.states, self.device, max_batch, max_pages,
+                                   pad_slot=self.states.num_slots - 1, pad_page=self.kv.num_pages - 1,
+                                   capture=capture)
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counters for /metrics: expert streaming per MoE layer, TP collectives."""
@@ -58,15 +68,21 @@ class ModelRunner:
             for kind in ("all_reduce", "all_gather", "reduce_scatter"):
                 out[f"tp_{kind}s"] = [group.counters[kind]]
             out["tp_hc_shard_forwards"] = [self.hc_shard_forwards]
+        if self.graphs is not None and self.graphs.capture:
+            out["cuda_graph_replays"] = [self.graphs.steps]
         return out
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
         # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
+        specs = batch.segments
+        if self._graph_batch(batch):
+            out = self._execute_graph(specs)
+            if out is not None:
+                return out
         # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
         # of the j-th segment as the forward lays it out.
-        specs = batch.segments
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
         fb = self._forward_batch([specs[i] for i in order])
         shift = 0  # rows of the segment before the returned streams' first row
@@ -111,22 +127,48 @@ class ModelRunner:
         for i, spec in enumerate(specs):
             if spec.want_logits:
                 out.logits[i] = logits[spans[i][0]:spans[i][1]]
+        self._sample(out, specs, logits, {i: spans[i][1] - 1 for i in range(len(specs))})
+        return out
+
+    def _graph_batch(self, batch: Batch) -> bool:
+        return (self.graphs is not None and batch.mode != "layer_major"
+                and all(len(s.token_ids) == 1 and not s.want_logits and not s.prompt_targets for s in batch.segments))
+
+    def _execute_graph(self, specs: list[SegmentSpec]) -> RunnerOutput | None:
+        """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly)."""
+        for spec in specs:
+            self._table(spec)
+        positions = [spec.start for spec in specs]
+        slots = [spec.slot for spec in specs]
+        if not self.graphs.fits(slots, positions):
+            return None
+        logits = self.graphs.run([spec.token_ids[0] for spec in specs], positions, slots)
+        ends = [(spec.slot, int(d)) for spec in specs for o, d in spec.exports if int(o) == 1]
+        self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
+        out = RunnerOutput(token_ids=[-1] * len(specs))
+        self._sample(out, specs, logits, {i: i for i in range(len(specs))})
+        return out
+
+    def _sample(self, out: RunnerOutput, specs: list[SegmentSpec], logits: torch.Tensor,
+                row_of: dict[int, int]) -> None:
+        """Sample a token for every segment that asks, from its row ``row_of[i]`` of ``logits`` (fp32)."""
         sampled = [i for i, spec in enumerate(specs) if spec.sample]
         if sampled:
-            last_rows = torch.tensor([spans[i][1] - 1 for i in sampled], device=self.device)
+            picked = [row_of[i] for i in sampled]
+            whole = picked == list(range(logits.shape[0]))
+            rows = logits if whole else logits[torch.tensor(picked, device=self.device)]
             counts = self.counts.rows([specs[i] for i in sampled], logits.shape[-1])
             matchers = self.grammars.rows([specs[i] for i in sampled])
-            rows = logits[last_rows]
-            self.grammars.mask(rows, matchers)
-            ids = self.sampler(rows, [specs[i].sampling or GREEDY for i in sampled],
+            masked = rows.clone() if any(m is not None for m in matchers) else rows  # log-probs read rows unmasked
+            self.grammars.mask(masked, matchers)
+            ids = self.sampler(masked, [specs[i].sampling or GREEDY for i in sampled],
                                [specs[i].sample_index for i in sampled], counts)
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted
             self.counts.count(counts, [out.token_ids[i] for i in sampled])
             self.grammars.advance(matchers, [out.token_ids[i] for i in sampled])
-            self._logprobs(out, logits[last_rows], [specs[i] for i in sampled], sampled)
-        return out
+            self._logprobs(out, rows, [specs[i] for i in sampled], sampled)
 
     def _logprobs(self, out: RunnerOutput, logits: torch.Tensor, specs: list[SegmentSpec], index: list[int]) -> None:
         """Log-softmax of the model's logits at the sampled rows whose request asked: the chosen
@@ -209,14 +251,22 @@ class ModelRunner:
             if n == 0:
                 raise ValueError(f"segment of request {spec.rid} has no tokens")
             ids.extend(spec.token_ids)
-            pages = self.page_tables.get(spec.slot, [])[:spec.page_base] + list(spec.pages)
-            self.page_tables[spec.slot] = pages
-            segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=pages,
+            segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=self._table(spec),
                                     exports=[(int(o), int(d)) for o, d in spec.exports]))
             row += n
         eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
         ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
         return build_forward_batch(segments, ids, self.kv, self.states, eos, self.device, qsa_ratio=ratio or 0)
+
+    def _table(self, spec: SegmentSpec) -> list[int]:
+        """The slot's page table with this segment's delta applied (columns from ``page_base`` on)."""
+        table = self.page_tables.setdefault(spec.slot, [])
+        if table[spec.page_base:] != spec.pages:
+            del table[spec.page_base:]
+            table.extend(spec.pages)
+            if self.graphs is not None:
+                self.graphs.pages(spec.slot, spec.page_base, list(spec.pages))
+        return table
 
     def _finish_states(self, fb: ForwardBatch) -> None:
         """The n-gram context of every segment's slot and internal export; end-of-segment exports.
@@ -253,8 +303,9 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     dtype = resolve_dtype(args.dtype, config, device)
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend)
-    kv = KVPool(config, sizes.num_pages, sizes.page_size, device, dtype)
-    states = StatePool(config, sizes.num_slots, device, dtype)
+    # One page and one slot beyond the scheduler's counts: the padding rows of decode graphs.
+    kv = KVPool(config, sizes.num_pages + 1, sizes.page_size, device, dtype)
+    states = StatePool(config, sizes.num_slots + 1, device, dtype)
     for name, module in model.named_modules():
         if name.endswith("ple.ple_embedding"):
             table = f"{name}.ngram_embedding.weight"
@@ -279,7 +330,14 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
                             {i: e.down_proj.data for i, e in experts.items()}, slots, device)
         for e in experts.values():
             e.store = store
-    return ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
+    runner = ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
+    # Graphs replay a fixed sequence of device work: not with experts or PLE rows fetched from the
+    # host, and not across ranks (the collectives are issued eagerly).
+    if (torch.device(device).type == "cuda" and not args.disable_cuda_graph and store is None
+            and args.ple_backend == "gpu" and tp().size == 1):
+        max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
+        runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
+    return runner
 
 
 def expert_cache_auto(args, config: ModelConfig, kv: KVPool, experts: dict, device: str) -> int:

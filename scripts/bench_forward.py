@@ -2,15 +2,17 @@
 against their roofline, and transformers' ``Qwen4ExpForCausalLM`` as the peer.
 
     python scripts/bench_forward.py --out DIR [--preset bench] [--lengths 4096,8192,32768]
-        [--decode-batches 1,8,32] [--decode-context 512] [--decode-steps 32] [--peer/--no-peer]
+        [--decode-batches 1,8,32] [--decode-context 512] [--decode-steps 32] [--decode-graphs on,off]
+        [--peer/--no-peer]
         [--peer-max-seconds 60] [--kernels/--no-kernels] [--kernel-tokens 32768] [--kernel-batch 8]
         [--kernel-context 8192] [--kernel-budget-s 110] [--tidal/--no-tidal] [--merge]
         [--device cuda] [--dtype bfloat16]
 
 The preset's config.json is written to a temporary directory and loaded with ``--load-format random``.
 Prefill and decode drive ``llm.runner.execute(Batch)`` directly (no scheduler), one cold prefill of L
-random ids per forward, timed on the host with a device synchronisation on each side. Every number goes
-to ``DIR/bench_forward.json``, rewritten after each section (a run cut short keeps what it measured;
+random ids per forward, timed on the host with a device synchronisation on each side; decode steps replay
+CUDA graphs (``--decode-graphs on``) or run eagerly (``off``), one arm after the other on the same model.
+Every number goes to ``DIR/bench_forward.json``, rewritten after each section (a run cut short keeps what it measured;
 ``--merge`` keeps the sections of an earlier file of the same preset, dtype and device that this run
 skips, so the sections can run as separate commands). Peak matmul throughput (a square GEMM of
 ``--dtype``, 8192 on CUDA) and HBM bandwidth (a device-to-device copy, bytes read + written) are
@@ -312,7 +314,7 @@ def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.de
 
 
 def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, steps: int, device: torch.device,
-                 bandwidth: float, elem: int) -> list[dict[str, Any]]:
+                 bandwidth: float, elem: int, graphs: bool) -> list[dict[str, Any]]:
     page = llm.sizes.page_size
     per_request = -(-(context + DECODE_WARMUP + steps + 1) // page)
     rows = []
@@ -340,11 +342,11 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
         mean_context = context + DECODE_WARMUP + (steps - 1) / 2
         terms = decode_bytes(c, size, mean_context, elem)
         floor = sum(terms.values()) / bandwidth
-        rows.append({"batch": size, "context": mean_context, "step_ms": sec * 1e3,
+        rows.append({"cuda_graph": graphs, "batch": size, "context": mean_context, "step_ms": sec * 1e3,
                      "steps_ms": [t * 1e3 for t in times], "tok_s": size / sec, "floor_bytes": sum(terms.values()),
                      "floor_bytes_terms": terms, "floor_ms": floor * 1e3, "floor_fraction": floor / sec})
-        print(f"decode batch {size}: {sec * 1e3:.2f} ms/step, {size / sec:.1f} tok/s, floor {floor * 1e3:.3f} ms "
-              f"({floor / sec:.3f})", flush=True)
+        print(f"decode graphs {'on' if graphs else 'off'} batch {size}: {sec * 1e3:.2f} ms/step, "
+              f"{size / sec:.1f} tok/s, floor {floor * 1e3:.3f} ms ({floor / sec:.3f})", flush=True)
     return rows
 
 
@@ -793,9 +795,9 @@ def report(results: dict[str, Any]) -> str:
              for r in results["prefill"]])]
     if results.get("decode"):
         out += ["", "decode (median step of B requests)", table(
-            ["batch", "context", "ms/step", "tok/s", "floor MB", "floor ms", "floor/measured"],
-            [[r["batch"], r["context"], r["step_ms"], r["tok_s"], r["floor_bytes"] / 1e6, r["floor_ms"],
-              r["floor_fraction"]] for r in results["decode"]])]
+            ["graphs", "batch", "context", "ms/step", "tok/s", "floor MB", "floor ms", "floor/measured"],
+            [["on" if r.get("cuda_graph") else "off", r["batch"], r["context"], r["step_ms"], r["tok_s"],
+              r["floor_bytes"] / 1e6, r["floor_ms"], r["floor_fraction"]] for r in results["decode"]])]
     if results.get("kernels"):
         out += ["", "kernels: ms (fraction of roofline)", table(
             ["kernel", "shape", "floor ms", "bound", "fast", "ref", "library"],
@@ -833,6 +835,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-batches", type=int_list, default=[1, 8, 32])
     ap.add_argument("--decode-context", type=int, default=512, help="prompt tokens of each decoding request")
     ap.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per batch size")
+    ap.add_argument("--decode-graphs", default="on,off", help="decode arms: on (CUDA graphs), off (eager steps)")
     ap.add_argument("--tidal", action=argparse.BooleanOptionalAction, default=True, help="prefill and decode")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--peer-max-seconds", type=float, default=60.0)
@@ -892,8 +895,14 @@ def main(argv: list[str] | None = None) -> int:
                 results["config"]["params_model"] = sum(p.numel() for p in llm.runner.model.parameters())
             results["prefill"] = bench_prefill(llm, config, ns.lengths, device, peak)
             save(path, results)
-            results["decode"] = bench_decode(llm, config, ns.decode_batches, ns.decode_context, ns.decode_steps,
-                                             device, bandwidth, elem)
+            graphs, results["decode"] = llm.runner.graphs, []
+            for mode in ns.decode_graphs.split(","):  # between arms no request holds a slot
+                if mode == "on" and graphs is None:
+                    print("decode graphs on: this device runs no CUDA graphs; skipped", flush=True)
+                    continue
+                llm.runner.graphs = graphs if mode == "on" else None
+                results["decode"] += bench_decode(llm, config, ns.decode_batches, ns.decode_context, ns.decode_steps,
+                                                  device, bandwidth, elem, graphs=mode == "on")
             save(path, results)
             del llm
             gc.collect()

@@ -1,13 +1,15 @@
 """Where a decode step's time goes: GPU busy against the host's share, through the real scheduler.
 
     python scripts/profile_decode.py --out DIR [--preset bench] [--batches 1,8,32] [--contexts 16,8192]
-        [--steps 24]
+        [--steps 24] [--graphs on,off]
 
 For each batch size and context, ``batch`` requests of ``context`` random prompt ids are prefilled and
 then decoded by ``LLM``'s own loop (scheduler + runner in one process: what the executor does per
 step, without the ZeroMQ hops). Over ``--steps`` decode steps under the torch profiler: wall time per
 step, GPU busy time per step (the union of the CUDA kernel intervals, so overlapping kernels count
-once) and the GPU's idle time between and inside steps (wall - busy). Writes ``DIR/profile_decode.json``.
+once) and the GPU's idle time between and inside steps (wall - busy). ``--graphs`` lists the arms: decode
+steps replayed from CUDA graphs (``on``) and run eagerly (``off``, as ``--disable-cuda-graph``); one model
+serves both, the graphs set aside while no request runs. Writes ``DIR/profile_decode.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def busy_us(prof) -> tuple[float, int]:
     return total, len(spans)
 
 
-def run(llm: LLM, batch: int, context: int, steps: int, seed: int) -> dict:
+def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool) -> dict:
     gen = torch.Generator().manual_seed(seed)
     rids = [f"p{seed}-{i}" for i in range(batch)]
     for rid in rids:
@@ -72,11 +74,12 @@ def run(llm: LLM, batch: int, context: int, steps: int, seed: int) -> dict:
         pass
     busy, kernels = busy_us(prof)
     n = min(produced.values()) - start
-    row = {"batch": batch, "context": context, "steps": n, "wall_ms_per_step": wall * 1e3 / n,
+    row = {"cuda_graph": graphs, "batch": batch, "context": context, "steps": n, "wall_ms_per_step": wall * 1e3 / n,
            "gpu_busy_ms_per_step": busy / 1e3 / n, "gpu_idle_ms_per_step": (wall * 1e6 - busy) / 1e3 / n,
            "gpu_idle_fraction": 1 - busy / (wall * 1e6), "kernels_per_step": kernels / n,
            "tok_per_s": batch * n / wall}
-    print(f"batch {batch:3d} context {context:6d}: {row['wall_ms_per_step']:7.2f} ms/step, GPU busy "
+    print(f"graphs {'on ' if graphs else 'off'} batch {batch:3d} context {context:6d}: "
+          f"{row['wall_ms_per_step']:7.2f} ms/step, GPU busy "
           f"{row['gpu_busy_ms_per_step']:6.2f} ms, idle {row['gpu_idle_ms_per_step']:6.2f} ms "
           f"({row['gpu_idle_fraction'] * 100:.0f}%), {row['kernels_per_step']:.0f} kernels/step, "
           f"{row['tok_per_s']:.1f} tok/s", flush=True)
@@ -90,6 +93,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="16,8192")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--graphs", default="on,off", help="arms: on (CUDA graphs), off (eager steps)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
@@ -100,12 +104,18 @@ def main() -> None:
     llm = LLM(path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32", load_format="random",
               max_model_len=longest, kv_pool_tokens=max(batches) * longest + 4096,
               max_running_requests=max(batches), max_prefill_length=8192)
+    graphs = llm.runner.graphs
     rows = []
-    for context in contexts:
-        for batch in batches:
-            rows.append(run(llm, batch, context, ns.steps, seed=len(rows)))
-            with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
-                json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
+    for mode in ns.graphs.split(","):
+        llm.runner.graphs = graphs if mode == "on" else None
+        if mode == "on" and graphs is None:
+            print("graphs on: this device runs no CUDA graphs; skipped", flush=True)
+            continue
+        for context in contexts:
+            for batch in batches:
+                rows.append(run(llm, batch, context, ns.steps, seed=len(rows), graphs=mode == "on"))
+                with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
+                    json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

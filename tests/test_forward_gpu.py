@@ -65,3 +65,23 @@ def test_prompt_logprobs_on_the_device_equal_score(tiny_checkpoint):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     top = ref[:-1].topk(3, dim=-1)  # values, not ids: near-ties may order differently between two GEMMs
     torch.testing.assert_close(torch.tensor([e.top_logprobs for e in entries]), top.values, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graph_replays_equal_eager_steps(tiny_checkpoint, dtype):
+    """Decode steps replayed from CUDA graphs (padded batches, QSA block buckets, a one-token prompt on
+    a reused slot, a prefix-cache hit) give the ids of the same steps run eagerly."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1000, 240000, (n,), generator=gen).tolist() for n in (37, 1, 100)]
+    eager = LLM(tiny_checkpoint, device="cuda", dtype=dtype, max_prefill_length=64, max_running_requests=3,
+                disable_cuda_graph=True)
+    graphed = LLM(tiny_checkpoint, device="cuda", dtype=dtype, max_prefill_length=64, max_running_requests=3)
+    assert eager.runner.graphs is None and graphed.runner.graphs.capture
+    for llm_round in range(2):
+        want = eager.generate(prompts, max_tokens=40, ignore_eos=True)
+        assert graphed.generate(prompts, max_tokens=40, ignore_eos=True) == want, llm_round
+    longer = prompts[2] + want[2] + prompts[0]
+    assert graphed.generate([longer], max_tokens=20, ignore_eos=True) == eager.generate([longer], max_tokens=20,
+                                                                                         ignore_eos=True)
+    assert graphed.runner.stats()["cuda_graph_replays"][0] >= 2 * 39 + 19

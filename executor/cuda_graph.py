@@ -1,0 +1,197 @@
+"""Decode forwards replayed from CUDA graphs.
+
+A decode step of the ``bench`` model is ~800 kernel launches and ~3 ms of GPU work; issued one by
+one from Python it takes 25-40 ms. :class:`DecodeGraphs` records the whole step once per shape and
+replays it with one launch. A decode batch (every segment one token) is padded to a captured batch
+size, and the QSA layers' block count to a power of two, so that every tensor shape is fixed:
+
+* the per-row inputs (token id, position, slot, fresh) live in one persistent device buffer, filled
+  with one host-to-device copy per step;
+* page tables live on the device per state slot (:attr:`slot_pages`), updated with the page deltas
+  the scheduler sends, and gathered per row inside the graph;
+* everything else a forward needs (KV write rows, n-gram contexts, QSA block keys and the blocks a
+  step completes) is derived from those inside the graph, as ``build_forward_batch`` derives it on
+  the host for an eager forward;
+* padding rows use a slot and a KV page that the scheduler never hands out (the pools hold one of
+  each beyond its count), so they write nothing that a request reads.
+
+The graph ends with the logits of every row in fp32; sampling and the end-of-segment checkpoint
+copies run after the replay as for an eager forward. Graphs are captured when a shape is first met
+and share one memory pool. Without ``capture`` (the CPU) the same padded step runs eagerly, which is
+how CPU tests check it against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .forward_batch import ForwardBatch, QSABlocks, RowGroup
+
+logger = logging.getLogger(__name__)
+
+# Padded batch sizes, up to --max-running-requests (always captured as the last size).
+BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# The smallest QSA block count a graph is captured for (64 blocks of 64 keys: a 4K context).
+MIN_BLOCKS = 64
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DecodeGraphs:
+    def __init__(self, model, config, kv, states, device: torch.device, max_batch: int, max_pages: int,
+                 pad_slot: int, pad_page: int, capture: bool):
+        self.model, self.kv, self.states = model, kv, states
+        self.device = device
+        self.capture = capture
+        self.max_batch = max_batch
+        self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
+        self.page_size = kv.page_size
+        self.max_pages = max_pages
+        self.pad_slot, self.pad_page = pad_slot, pad_page
+        self.ratio = config.indexer_compress_ratio if config.has_qsa else 0
+        self.ngram_eos = config.ple_eos_id if config.ple_layer_ids else 0
+        long = dict(dtype=torch.long, device=device)
+        # Rows: token id, position, slot, fresh. Host side pinned on CUDA (one async copy per step).
+        self.inputs = torch.zeros(4, max_batch, **long)
+        self.host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.slot_pages = torch.full((states.num_slots, max_pages), pad_page, dtype=torch.int32, device=device)
+        self.wide: set[int] = set()  # slots whose page table outgrew ``max_pages`` (eager forwards only)
+        self._pending: list[tuple[int, int, int]] = []  # (slot, column, page) not yet on the device
+        self._cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(max_batch, **long)
+        self._ones = torch.ones(max_batch, **long)
+        self._empty = torch.empty(0, **long)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.steps = 0  # decode steps run through the fixed-shape path
+
+    # -- page tables ---------------------------------------------------------------------------
+
+    def pages(self, slot: int, base: int, pages: list[int]) -> None:
+        """Slot ``slot``'s page table from column ``base`` on is ``pages`` (as the scheduler sent it)."""
+        if base == 0:
+            self.wide.discard(slot)
+        if base + len(pages) > self.max_pages:
+            self.wide.add(slot)
+            return
+        self._pending.extend((slot, base + j, p) for j, p in enumerate(pages))
+
+    def _flush_pages(self) -> None:
+        if not self._pending:
+            return
+        writes = torch.tensor(self._pending, dtype=torch.long).T.to(self.device)
+        self.slot_pages[writes[0], writes[1]] = writes[2].to(torch.int32)
+        self._pending.clear()
+
+    # -- eligibility and shapes ------------------------------------------------------------------
+
+    def fits(self, slots: list[int], positions: list[int]) -> bool:
+        """A decode batch of these rows can run from a graph."""
+        return (0 < len(slots) <= self.max_batch and not any(s in self.wide for s in slots)
+                and max(positions) < self.max_pages * self.page_size)
+
+    def _shape(self, positions: list[int]) -> tuple[int, int]:
+        size = next(b for b in self.sizes if b >= len(positions))
+        if not self.ratio:
+            return size, 0
+        blocks = max(p + 1 for p in positions) // self.ratio
+        cap = self.max_pages * self.page_size // self.ratio
+        return size, max(1, min(max(MIN_BLOCKS, _next_pow2(blocks)), cap))
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """fp32 logits ``[len(ids), vocab]`` of one decode row per request (rows in the given order)."""
+        n = len(ids)
+        size, blocks = self._shape(positions)
+        self._flush_pages()
+        key = (size, blocks)
+        if self.capture and key not in self._graphs:
+            self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
+            self._graphs[key] = self._record(size, blocks)
+        self._fill(ids, positions, slots)
+        self.steps += 1
+        if self.capture:
+            graph, logits = self._graphs[key]
+            graph.replay()
+        else:
+            logits = self._step(size, blocks)
+        return logits[:n]
+
+    def _fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
+        pad = self.max_batch - len(ids)
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the host buffer
+        self.host.copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad,
+                                      [int(p == 0) for p in positions] + [1] * pad], dtype=torch.long))
+        self.inputs.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def _record(self, size: int, blocks: int):
+        torch.cuda.synchronize(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # compile and autotune kernels, fill lazy caches
+            self._step(size, blocks)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._step(size, blocks)
+        self._pool = graph.pool()
+        logger.info("captured the decode graph for %d rows, %d QSA blocks", size, blocks)
+        return graph, logits
+
+    def _step(self, size: int, blocks: int) -> torch.Tensor:
+        fb = self._forward_batch(size, blocks)
+        streams, pending = self.model(fb)
+        logits = self.model.logits(streams, pending, self._rows[:size]).float()
+        width = self.states.ngram_context.shape[1]
+        if width:  # the slot's n-gram context moves on by this row's token
+            ctx = torch.cat([fb.ngram_context[:, 1:], fb.input_ids[:, None]], dim=1)
+            self.states.ngram_context[fb.all.slots] = ctx
+        return logits
+
+    def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
+        """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer
+        on the device (``build_forward_batch`` for this case, with no host values)."""
+        ids, positions, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
+        fresh = self.inputs[3, :b].bool()
+        ps = self.page_size
+        page_table = self.slot_pages[slots]  # [b, max_pages] int32
+
+        def rows_of(pos: torch.Tensor) -> torch.Tensor:  # KV rows of positions [b, k]
+            return page_table.gather(1, pos // ps).long() * ps + pos % ps
+
+        kv_write_rows = rows_of(positions[:, None])[:, 0]
+        group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
+                         lengths=self._ones[:b], slots=slots, fresh=fresh, kv_lens=(positions + 1).int(),
+                         page_table=page_table)
+        none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
+                        lengths=self._empty, slots=self._empty, fresh=self._empty.bool(),
+                        kv_lens=self._cu[:0], page_table=page_table[:0])
+        width = self.states.ngram_context.shape[1]
+        ctx = self.states.ngram_context[slots]
+        ngram_context = torch.where(fresh[:, None], torch.full_like(ctx, self.ngram_eos), ctx) if width else ctx
+        qsa = None
+        if self.ratio:
+            r = self.ratio
+            # The block ending at this row's token (meaningful when the token completes it; otherwise
+            # the pooled key lands on the token's own row, where no block key is ever read).
+            first = positions - (r - 1)
+            block_pos = (first[:, None] + torch.arange(r, device=self.device)).clamp(min=0)
+            last = (torch.arange(blocks, device=self.device) + 1) * r - 1
+            cols = (last // ps).clamp(max=self.max_pages - 1)
+            qsa = QSABlocks(ratio=r, new_rows=rows_of(block_pos), new_pos=first.clamp(min=0),
+                            key_rows=page_table[:, cols].long() * ps + last % ps, max_blocks=blocks)
+        return ForwardBatch(
+            input_ids=ids, positions=positions, segments=[], kv=self.kv, states=self.states,
+            all=group, decode=group, prefill=none, kv_write_rows=kv_write_rows, row_segment=self._rows[:b],
+            ngram_context=ngram_context, export_seg=self._empty, export_off=self._empty, export_dst=self._empty,
+            waves=[], qsa=qsa,
+        )

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
+# then decode under the profiler with graphs on and off, then decode against the HBM floor. Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|profile|floor ...]   (default: all three)
+set -u
+WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
+git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
+parts=${*:-tests profile floor}
+for part in $parts; do
+  case $part in
+    tests)
+      timeout ${TEST_LIMIT:-200} python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_forward_gpu.py \
+        > $OUT/forward_gpu.log 2>&1; echo "forward tests rc $?" >> $OUT/forward_gpu.log
+      tail -4 $OUT/forward_gpu.log ;;
+    profile)
+      timeout ${PROFILE_LIMIT:-240} python3 scripts/profile_decode.py --out $OUT --batches 1,8,32 \
+        --contexts 16,8192 --steps 24 --graphs on,off > $OUT/profile_decode.log 2>&1
+      echo "profile rc $?" >> $OUT/profile_decode.log
+      grep -E "^graphs|rc " $OUT/profile_decode.log ;;
+    floor)
+      timeout ${FLOOR_LIMIT:-150} python3 scripts/bench_forward.py --out $OUT --no-peer --no-kernels --lengths 4096 \
+        --decode-batches 1,8,32 --decode-context 512 --decode-graphs on,off > $OUT/bench_decode.log 2>&1
+      echo "floor rc $?" >> $OUT/bench_decode.log
+      grep -E "^decode|rc |peak" $OUT/bench_decode.log ;;
+  esac
+done
