@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
-# then decode under the profiler with graphs on and off, then decode against the HBM floor. Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|profile|floor ...]   (default: all three)
+# then decode under the profiler with graphs on and off, then decode against the HBM floor; server: decode through tidal serve, graphs on and off. Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|profile|floor|server ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -13,6 +13,8 @@ for part in $parts; do
         > $OUT/forward_gpu.log 2>&1; echo "forward tests rc $?" >> $OUT/forward_gpu.log
       tail -4 $OUT/forward_gpu.log ;;
     profile)
+      timeout ${TABLE_LIMIT:-90} python3 scripts/profile_decode.py --out $OUT/table --batches 1 --contexts 8192 \
+        --steps 24 --graphs on --kernel-table 45 > $OUT/profile_kernels.log 2>&1; echo "table rc $?" >> $OUT/profile_kernels.log
       timeout ${PROFILE_LIMIT:-240} python3 scripts/profile_decode.py --out $OUT --batches 1,8,32 \
         --contexts 16,8192 --steps 24 --graphs on,off > $OUT/profile_decode.log 2>&1
       echo "profile rc $?" >> $OUT/profile_decode.log
@@ -22,5 +24,10 @@ for part in $parts; do
         --decode-batches 1,8,32 --decode-context 512 --decode-graphs on,off > $OUT/bench_decode.log 2>&1
       echo "floor rc $?" >> $OUT/bench_decode.log
       grep -E "^decode|rc |peak" $OUT/bench_decode.log ;;
+    server)
+      timeout ${SERVER_LIMIT:-300} python3 scripts/bench_decode_server.py --out $OUT/server --concurrency 1,8,32 \
+        --contexts 16,8192 --tokens 256 --arms on,off > $OUT/bench_decode_server.log 2>&1
+      echo "server rc $?" >> $OUT/bench_decode_server.log
+      grep -E "^graphs|rc |stopped" $OUT/bench_decode_server.log ;;
   esac
 done

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: GPU busy against the host's share, through the real scheduler.
 
     python scripts/profile_decode.py --out DIR [--preset bench] [--batches 1,8,32] [--contexts 16,8192]
-        [--steps 24] [--graphs on,off]
+        [--steps 24] [--graphs on,off] [--kernel-table N]
 
 For each batch size and context, ``batch`` requests of ``context`` random prompt ids are prefilled and
 then decoded by ``LLM``'s own loop (scheduler + runner in one process: what the executor does per
@@ -43,12 +43,27 @@ def busy_us(prof) -> tuple[float, int]:
     return total, len(spans)
 
 
-def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool) -> dict:
+def kernel_table(prof, steps: int, top: int) -> str:
+    """The ``top`` CUDA kernels by device time: calls and microseconds per step."""
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.time_range.end - e.time_range.start
+    rows = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    lines = [f"  {'us/step':>9s} {'calls/step':>10s}  kernel"]
+    lines += [f"  {us / steps:9.1f} {n / steps:10.1f}  {name[:110]}" for name, (n, us) in rows]
+    return "\n".join(lines)
+
+
+def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool, top: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     rids = [f"p{seed}-{i}" for i in range(batch)]
     for rid in rids:
         ids = torch.randint(1000, 30000, (context,), generator=gen).tolist()
-        llm.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=ids, max_tokens=steps + 8,
+        # Early requests decode while later ones prefill: enough tokens that none ends in the window.
+        llm.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=ids, max_tokens=steps + 2 * batch + 16,
                                               sampling=SamplingParams(), ignore_eos=True))
     loop = llm._run()
     produced = {rid: 0 for rid in rids}
@@ -83,6 +98,8 @@ def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool)
           f"{row['gpu_busy_ms_per_step']:6.2f} ms, idle {row['gpu_idle_ms_per_step']:6.2f} ms "
           f"({row['gpu_idle_fraction'] * 100:.0f}%), {row['kernels_per_step']:.0f} kernels/step, "
           f"{row['tok_per_s']:.1f} tok/s", flush=True)
+    if top:
+        print(kernel_table(prof, n, top), flush=True)
     return row
 
 
@@ -94,6 +111,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,8192")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--graphs", default="on,off", help="arms: on (CUDA graphs), off (eager steps)")
+    ap.add_argument("--kernel-table", type=int, default=0, help="print the top N kernels of each row")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
@@ -113,7 +131,8 @@ def main() -> None:
             continue
         for context in contexts:
             for batch in batches:
-                rows.append(run(llm, batch, context, ns.steps, seed=len(rows), graphs=mode == "on"))
+                rows.append(run(llm, batch, context, ns.steps, seed=len(rows), graphs=mode == "on",
+                                top=ns.kernel_table))
                 with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
                     json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
 
