@@ -53,6 +53,7 @@ class ServerArgs:
     prefill_layer_major: bool = False
     layer_major_max_tokens: int = 32768
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     # Wiring.
     api_key: str | None = None
     tap_addr: str | None = None
@@ -262,6 +263,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "turn), so each layer's streamed experts cross to the device once")
     p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
                    help="the most new prompt tokens a layer-major prefill takes")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="keep one batch in flight: schedule the next batch only after the executor answers the "
+                        "last (default: the next batch is scheduled and sent while the executor runs one)")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run every decode step eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
                         "with resident experts, --ple-backend gpu and --tp 1)")

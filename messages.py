@@ -192,6 +192,8 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     ``exports`` are ``[offset, slot]``
     pairs: after the first ``offset`` tokens of this segment, copy the request's full state into
     ``slot``. ``sample_index`` numbers the output token being sampled (seeded sampling uses it).
+    A decode scheduled ahead of the batch that samples its input has ``token_ids == [-1]``: the
+    executor takes the token it sampled last in ``slot``.
     """
 
     rid: str

@@ -50,6 +50,7 @@ class ModelRunner:
         self.expert_store = expert_store
         self.hc_shard_forwards = 0
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
+        self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
         self.graphs: DecodeGraphs | None = None
 
     def use_graphs(self, max_batch: int, max_pages: int, capture: bool) -> None:
@@ -77,6 +78,12 @@ class ModelRunner:
         # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         specs = batch.segments
+        for spec in specs:
+            if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
+                if len(spec.token_ids) != 1 or spec.slot not in self.last_sampled:
+                    raise ValueError(f"segment of request {spec.rid}: token -1 with no token sampled in slot "
+                                     f"{spec.slot} before")
+                spec.token_ids = [self.last_sampled[spec.slot]]
         if self._graph_batch(batch):
             out = self._execute_graph(specs)
             if out is not None:
@@ -166,6 +173,7 @@ class ModelRunner:
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted
+                self.last_sampled[specs[i].slot] = out.token_ids[i]
             self.counts.count(counts, [out.token_ids[i] for i in sampled])
             self.grammars.advance(matchers, [out.token_ids[i] for i in sampled])
             self._logprobs(out, rows, [specs[i] for i in sampled], sampled)

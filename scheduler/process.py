@@ -32,7 +32,14 @@ STATS_INTERVAL = 0.05  # seconds between pool-gauge updates while busy
 
 
 class SchedulerLoop:
-    """Owns the sockets around a :class:`Scheduler`; one batch in flight at a time."""
+    """Owns the sockets around a :class:`Scheduler`.
+
+    Up to two batches are in flight: while the executor runs ``in_flight``, the next batch is scheduled
+    and sent (``ahead``), its decodes of requests that ``in_flight`` samples for carrying the token id
+    ``-1`` that the executor fills in; so the executor finds its next batch waiting when it finishes
+    one, and scheduling and both hops overlap the device's work. ``--disable-overlap-schedule`` keeps
+    one batch in flight.
+    """
 
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
@@ -46,7 +53,9 @@ class SchedulerLoop:
         # What a step emits for the detokenizer goes out as one StepOutput at the step's end.
         self._out: list = []
         self.scheduler = Scheduler(args, config, self.sizes, self._out.append)
-        self.in_flight: Batch | None = None
+        self.in_flight: Batch | None = None  # the oldest batch sent and not answered
+        self.ahead: Batch | None = None  # the batch sent after it
+        self.overlap = not args.disable_overlap_schedule
         self.in_flight_since = 0.0
         self.failed = False  # an executor failed for good: the launcher restarts the mesh or exits
         self._last_stats = None
@@ -69,7 +78,8 @@ class SchedulerLoop:
                 logger.warning("result for batch %s is not the batch in flight (%s); ignored", msg.batch_id,
                                None if batch is None else batch.batch_id)
                 return
-            self.in_flight = None
+            self.in_flight, self.ahead = self.ahead, None
+            self.in_flight_since = time.monotonic()
             if msg.executor_stats:
                 self.scheduler.executor_stats = msg.executor_stats
             if msg.error is not None:
@@ -88,7 +98,7 @@ class SchedulerLoop:
         """No batch can run any more: every request ends with ``error`` and nothing new is scheduled
         (the launcher restarts the mesh or exits)."""
         self.failed = True
-        self.in_flight = None
+        self.in_flight = self.ahead = None
         self.scheduler.fail_all(error)
 
     def step(self) -> None:
@@ -110,14 +120,16 @@ class SchedulerLoop:
         if self.failed and self.scheduler.has_work():  # requests that arrived after the failure
             self.scheduler.fail_all("the executor failed; the server is restarting or shutting down")
         if self.in_flight is None and not self.failed:
-            try:
-                batch = self.scheduler.schedule()
-            except Exception:
-                self._recover("scheduling")
-                batch = None
+            batch = self._schedule()
             if batch is not None:
                 self.in_flight = batch
                 self.in_flight_since = time.monotonic()
+                for sock in self.to_executors:
+                    sock.send(batch)
+        if self.overlap and self.in_flight is not None and self.ahead is None and not self.failed:
+            batch = self._schedule(ahead_of=self.in_flight)
+            if batch is not None:
+                self.ahead = batch
                 for sock in self.to_executors:
                     sock.send(batch)
         if self._out:
@@ -125,12 +137,19 @@ class SchedulerLoop:
             self._out.clear()
         self._send_stats()
 
+    def _schedule(self, ahead_of: Batch | None = None) -> Batch | None:
+        try:
+            return self.scheduler.schedule(ahead_of)
+        except Exception:
+            self._recover("scheduling")
+            return None
+
     def _recover(self, what: str) -> None:
         """A scheduler bug fails the requests it holds, not the process: every request ends with an
         error now (its client gets an answer, its pages and slot return), and the batch in flight is
         given up on (its result, when it comes, is stale)."""
         logger.exception("scheduler error while %s; failing every request", what)
-        self.in_flight = None
+        self.in_flight = self.ahead = None
         self.scheduler.fail_all(f"internal error in the scheduler while {what}")
 
     def _send_stats(self) -> None:

@@ -49,7 +49,7 @@ class Request:
     checkpoints_written: list[int] = field(default_factory=list)
     forwards: int = 0
     prefill_forwards: int = 0
-    in_flight: bool = False
+    in_flight: int = 0  # batches sent with a segment of this request and not answered yet
     # Positions the prefill computes: the prompt, or after a preemption the prompt and every output
     # token but the last (whose forward is the next decode).
     prefill_len: int = 0

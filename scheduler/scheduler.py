@@ -50,7 +50,7 @@ class Scheduler:
         self.counters: dict[str, int] = {
             "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
             "forwards": 0, "prefill_forwards": 0, "cache_queries": 0, "cache_hits": 0, "cached_tokens": 0,
-            "preemptions": 0,
+            "preemptions": 0, "decodes_ahead": 0,
             "checkpoints_written": 0, "checkpoints_evicted": 0, "pages_evicted": 0, "request_forwards": 0,
         }
         self.cache: PrefixCache | None = None
@@ -116,14 +116,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch | None:
+    def schedule(self, ahead_of: Batch | None = None) -> Batch | None:
+        """The next batch. With ``ahead_of`` (the batch the executor is running, not answered yet) it
+        is scheduled ahead: a request whose segment there samples also decodes in this batch, on the
+        token it is about to sample (see :meth:`_ahead_segment`)."""
         self._admit()
         segments: list[SegmentSpec] = []
         copies: list[list[int]] = []
+        sampling = {seg.rid: seg for seg in ahead_of.segments if seg.sample} if ahead_of is not None else {}
         for req in list(self.running.values()):
-            if req.prefill_done and not req.in_flight and req.status is Status.RUNNING \
-                    and self._ensure_pages(req, req.num_computed + 1):
+            if req.status is not Status.RUNNING:
+                continue
+            if req.prefill_done and not req.in_flight and self._ensure_pages(req, req.num_computed + 1):
                 segments.append(self._decode_segment(req))
+            elif req.in_flight == 1 and req.rid in sampling:
+                seg = self._ahead_segment(req, sampling[req.rid])
+                if seg is not None:
+                    segments.append(seg)
         # A preemption above may have emptied a decode taken before it.
         segments = [seg for seg in segments if self.requests[seg.rid].status is Status.RUNNING]
         budget = self.args.max_prefill_length or float("inf")
@@ -160,7 +169,8 @@ class Scheduler:
         if not segments:
             return None
         for seg in segments:
-            self.requests[seg.rid].in_flight = True
+            self.requests[seg.rid].in_flight += 1
+        self.counters["decodes_ahead"] += sum(1 for seg in segments if seg.token_ids == [-1])
         self.batch_id += 1
         rows = sum(len(seg.token_ids) for seg in segments)
         shard, _ = hc_shard_decision(self.args, rows, any(self.requests[s.rid].prefill_done for s in segments))
@@ -187,6 +197,30 @@ class Scheduler:
         return self._with_history(req, SegmentSpec(
             rid=req.rid, slot=req.slot, start=start, token_ids=[req.output[-1]], pages=pages, page_base=base,
             sample=True, sampling=req.sampling, sample_index=len(req.output), exports=exports))
+
+    def _ahead_segment(self, req: Request, pending: SegmentSpec) -> SegmentSpec | None:
+        """The decode after ``pending`` (in flight, sampling), sent before its token is known: its token
+        id is ``-1``, which the executor replaces with what it sampled for the slot in the batch before.
+        Only when ``pending``'s token cannot end the request by length, the decode writes no checkpoint
+        and its page is free without preempting anyone; should the token end the request (a stop token,
+        an abort), this segment's result is dropped, and what it wrote lies beyond everything the
+        request published, in pages and a slot that whoever gets them next overwrites before reading."""
+        start = pending.start + len(pending.token_ids)
+        produced = len(req.output) + 1  # after pending's token
+        if (req.abort_reason is not None or req.want_logits or produced >= req.max_tokens
+                or req.prompt_len + produced >= self.sizes.max_model_len):
+            return None
+        if self.cache is not None and (start + 1) % self.args.checkpoint_align == 0:
+            return None
+        need = self._pages_for(start + 1) - len(req.pages)
+        if need > 0:
+            new = self.cache.alloc_pages(need) if self.cache is not None else self.pages.alloc(need)
+            if new is None:
+                return None
+            req.pages += new
+        base, pages = self._page_delta(req)
+        return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[-1], pages=pages, page_base=base,
+                           sample=True, sampling=req.sampling, sample_index=produced)
 
     @staticmethod
     def _with_history(req: Request, seg: SegmentSpec) -> SegmentSpec:
@@ -264,7 +298,7 @@ class Scheduler:
             req = self.requests.get(seg.rid)
             if req is None or req.status is not Status.RUNNING:
                 continue
-            req.in_flight = False
+            req.in_flight -= 1
             req.forwards += 1
             end = seg.start + len(seg.token_ids)
             req.num_computed = end
@@ -331,7 +365,7 @@ class Scheduler:
             try:
                 if req.status is Status.WAITING:
                     self.waiting.remove(req)
-                req.in_flight = False
+                req.in_flight = 0
                 self._finish(req, "error", error=error)
             except Exception:
                 logger.exception("could not fail %s cleanly", req.rid)
@@ -343,7 +377,7 @@ class Scheduler:
         for seg in batch.segments:
             req = self.requests.get(seg.rid)
             if req is not None and req.status is Status.RUNNING:
-                req.in_flight = False
+                req.in_flight = 0
                 self._finish(req, "error", error=error)
 
     # ---- admission ----------------------------------------------------------------------------

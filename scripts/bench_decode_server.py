@@ -1,10 +1,12 @@
-"""Decode through ``tidal serve`` with CUDA graphs on and off, side by side (device-only).
+"""Decode through ``tidal serve``: CUDA graphs and overlapped scheduling on and off, side by side
+(device-only).
 
     python scripts/bench_decode_server.py --out DIR [--preset bench] [--concurrency 1,8,32]
-        [--contexts 16,8192] [--tokens 256] [--arms on,off]
+        [--contexts 16,8192] [--tokens 256] [--arms graphs,graphs-no-overlap,eager]
 
-One ``tidal serve --load-format random`` per arm (``off`` adds ``--disable-cuda-graph``), all up at
-once; for each context and concurrency the arms take turns. Each sample starts ``concurrency``
+One ``tidal serve --load-format random`` per arm, all up at once: ``graphs`` (the defaults: CUDA
+graphs, overlapped scheduling), ``graphs-no-overlap`` (``--disable-overlap-schedule``), ``eager``
+(``--disable-cuda-graph``), ``eager-no-overlap`` (both); for each context and concurrency the arms take turns. Each sample starts ``concurrency``
 streamed greedy completions of ``--tokens`` tokens (``ignore_eos``) after distinct random prompts of
 that many tokens (nothing cached); decode tok/s = generated tokens after the first / the time from the
 slowest first token to the last response's end. Writes ``DIR/bench_decode_server.json``.
@@ -24,6 +26,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from server_harness import Server, stream_completion  # noqa: E402
 
 from tidal.executor.presets import write_checkpoint  # noqa: E402
+
+
+ARMS = {"graphs": [], "graphs-no-overlap": ["--disable-overlap-schedule"], "eager": ["--disable-cuda-graph"],
+        "eager-no-overlap": ["--disable-cuda-graph", "--disable-overlap-schedule"]}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -48,7 +54,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--contexts", default="16,8192")
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--arms", default="on,off")
+    ap.add_argument("--arms", default="graphs,graphs-no-overlap,eager")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, os.path.join(ns.out, "ckpt"), weights=False)
@@ -63,16 +69,15 @@ def main() -> None:
     results = {"preset": ns.preset, "tokens": ns.tokens, "rows": []}
     try:
         for arm in arms:
-            servers[arm] = Server(path, *flags, *([] if arm == "on" else ["--disable-cuda-graph"]), api_key=None,
-                                  device="cuda", ready_timeout=600)
+            servers[arm] = Server(path, *flags, *ARMS[arm], api_key=None, device="cuda", ready_timeout=600)
             stream_completion(servers[arm].url, prompt(64, 1), 8, model="bench")  # warm-up
         for context in contexts:
             for conc in concs:
                 for arm in arms:
                     sample(servers[arm], context, conc, 16, seed=7)  # this shape's kernels and graphs
                     rate = sample(servers[arm], context, conc, ns.tokens, seed=context + conc)
-                    results["rows"].append({"graphs": arm, "context": context, "concurrency": conc, "tok_per_s": rate})
-                    print(f"graphs {arm:3s} context {context:5d} concurrency {conc:3d}: {rate:8.1f} tok/s", flush=True)
+                    results["rows"].append({"arm": arm, "context": context, "concurrency": conc, "tok_per_s": rate})
+                    print(f"{arm:18s} context {context:5d} concurrency {conc:3d}: {rate:8.1f} tok/s", flush=True)
                     with open(os.path.join(ns.out, "bench_decode_server.json"), "w") as f:
                         json.dump(results, f, indent=1)
     finally:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
-# then decode under the profiler with graphs on and off, then decode against the HBM floor; server: decode through tidal serve, graphs on and off. Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|profile|floor|server ...]   (default: tests profile floor)
+# then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
+# decode through tidal serve (graphs and overlap on and off); numerics: scripts/numerics_check.py. Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|profile|floor|server|numerics ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -26,8 +27,12 @@ for part in $parts; do
       grep -E "^decode|rc |peak" $OUT/bench_decode.log ;;
     server)
       timeout ${SERVER_LIMIT:-300} python3 scripts/bench_decode_server.py --out $OUT/server --concurrency 1,8,32 \
-        --contexts 16,8192 --tokens 256 --arms on,off > $OUT/bench_decode_server.log 2>&1
+        --contexts 16,8192 --tokens 256 --arms graphs,graphs-no-overlap,eager > $OUT/bench_decode_server.log 2>&1
       echo "server rc $?" >> $OUT/bench_decode_server.log
-      grep -E "^graphs|rc |stopped" $OUT/bench_decode_server.log ;;
+      grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
+    numerics)
+      timeout ${NUM_LIMIT:-150} python3 scripts/numerics_check.py --out $OUT/num > $OUT/numerics.log 2>&1
+      echo "numerics rc $?" >> $OUT/numerics.log
+      tail -8 $OUT/numerics.log ;;
   esac
 done

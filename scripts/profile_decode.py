@@ -118,7 +118,7 @@ def main() -> None:
     batches = [int(x) for x in ns.batches.split(",")]
     contexts = [int(x) for x in ns.contexts.split(",")]
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
-    longest = max(contexts) + ns.steps + 64
+    longest = max(contexts) + ns.steps + 2 * max(batches) + 64  # prompt + max_tokens of every request
     llm = LLM(path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32", load_format="random",
               max_model_len=longest, kv_pool_tokens=max(batches) * longest + 4096,
               max_running_requests=max(batches), max_prefill_length=8192)

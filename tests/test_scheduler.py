@@ -6,7 +6,7 @@ import pytest
 
 from tidal.args import ServerArgs
 from tidal.config import ModelConfig
-from tidal.messages import Detokenize, GenerateReq, PromptAdmitted
+from tidal.messages import AbortReq, Detokenize, GenerateReq, PromptAdmitted
 from tidal.scheduler import Scheduler
 from tidal.sizing import pool_sizes
 
@@ -152,13 +152,14 @@ def test_skip_special_tokens_reaches_the_detokenizer(tiny_checkpoint):
         [("x", False), ("y", True)]
 
 
-def _loop(make):
+def _loop(make, overlap: bool = False, **flags):
     """A SchedulerLoop around a real Scheduler, with its sockets replaced by lists."""
     from tidal.scheduler.process import SchedulerLoop
 
-    sched, events = make(disable_prefix_cache=True)
+    sched, events = make(**{"disable_prefix_cache": True, **flags})
     loop = object.__new__(SchedulerLoop)
     loop.args, loop.scheduler, loop.in_flight, loop.running, loop.failed = sched.args, sched, None, True, False
+    loop.ahead, loop.overlap = None, overlap
     sent_detok, sent_exec = [], []
     loop.to_detok = type("Sink", (), {"send": staticmethod(sent_detok.append)})()
     loop.to_executors = [type("Sink", (), {"send": staticmethod(sent_exec.append)})()]
@@ -228,3 +229,50 @@ def test_a_stale_result_leaves_the_batch_in_flight(make):
     _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7])])
     assert loop.in_flight is not batch
     assert any(isinstance(e, Detokenize) and e.rid == "a" and e.token_ids == [7] for e in _emitted(events))
+
+
+def _answer(batch, tokens: dict[str, int]):
+    from tidal.messages import BatchResult
+
+    return BatchResult(batch_id=batch.batch_id, token_ids=[tokens[s.rid] if s.sample else -1 for s in batch.segments])
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "prefix-cache"])
+def test_overlap_sends_the_next_batch_before_the_result(make, cache):
+    """With overlap the loop sends batch N+1 while N runs: the decodes of requests that N samples for
+    carry token -1. A request that N ends (stop token, max_tokens, abort) gets no token from N+1's
+    answer, and every page and slot comes back."""
+    loop, events, sent = _loop(make, overlap=True, disable_prefix_cache=not cache)
+    eos = loop.scheduler.config.eos_token_ids[0]
+    _feed(loop, [req("a", 10, max_tokens=6), req("b", 12, max_tokens=3), req("c", 9, max_tokens=1),
+                 req("d", 11, max_tokens=6)])
+    assert len(sent) == 2
+    first, ahead = sent
+    assert all(len(s.token_ids) > 1 and s.sample for s in first.segments)
+    # c ends with its first token (max_tokens 1): nothing ahead for it
+    assert {s.rid: (s.start, s.token_ids, s.sample_index) for s in ahead.segments} == \
+        {"a": (10, [-1], 1), "b": (12, [-1], 1), "d": (11, [-1], 1)}
+    assert loop.in_flight is first and loop.ahead is ahead
+    _feed(loop, [_answer(first, {"a": 7, "b": 7, "c": 7, "d": 7})])
+    assert loop.in_flight is ahead and len(sent) == 3  # the batch after, sent before ahead's answer
+    third = sent[2]
+    assert {s.rid: s.start for s in third.segments} == {"a": 11, "b": 13, "d": 12}
+    _feed(loop, [AbortReq(rid="d"), _answer(ahead, {"a": eos, "b": 8, "d": 8})])  # a stops, d is aborted
+    assert len(sent) == 3  # b's third token is its last: nothing ahead of it
+    _feed(loop, [_answer(third, {"a": 99, "b": 9, "d": 99})])  # a and d ended: dropped
+    while sent[-1] is not third and loop.in_flight is not None:
+        batch = loop.in_flight
+        _feed(loop, [_answer(batch, {s.rid: 5 for s in batch.segments})])
+    got: dict[str, list[int]] = {}
+    reasons = {}
+    for e in _emitted(events):
+        if isinstance(e, Detokenize):
+            got.setdefault(e.rid, []).extend(e.token_ids)
+            if e.finished:
+                reasons[e.rid] = e.finish_reason
+    assert got == {"a": [7, eos], "b": [7, 8, 9], "c": [7], "d": [7]}  # an abort drops the token in flight
+    assert reasons == {"a": "stop", "b": "length", "c": "length", "d": "abort"}
+    assert 99 not in sum(got.values(), [])
+    assert loop.in_flight is None and loop.ahead is None and not loop.scheduler.has_work()
+    stats = loop.scheduler.stats()
+    assert stats.running == 0 and stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0

@@ -103,6 +103,8 @@ def test_tap_ids_equal_offline_generate(server, offline, tiny_checkpoint):
         assert admitted["plan"]["checkpoints"] == [128]
         assert line["finish_reason"] == "length" and line["usage"]["completion_tokens"] == 20
         assert ids == offline.generate([prompt], max_tokens=20, ignore_eos=True)[0]
+        # its decodes were scheduled ahead of the batch sampling their input (overlap, the default)
+        assert server.metrics()["tidal_scheduler_decodes_ahead_total"] >= 15
     finally:
         tap.terminate()
         tap.wait()
@@ -280,6 +282,29 @@ def test_tcp_addresses(tiny_checkpoint):
         if tcp_tap:
             tcp_tap.close()
         assert srv.stop() == []
+
+
+def test_without_overlap_the_same_texts(tiny_checkpoint, server):
+    """``--disable-overlap-schedule`` keeps one batch in flight (no decode scheduled ahead); concurrent
+    greedy requests of different lengths and stop strings read the same as with overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"model": "tiny", "prompt": [900 + 13 * i + j for j in range(20 + 9 * i)], "max_tokens": 6 + 5 * i,
+               "temperature": 0, "ignore_eos": True, **({"stop": ["e"]} if i == 2 else {})} for i in range(4)]
+    plain = Server(tiny_checkpoint, "--max-model-len", str(MAX_MODEL_LEN), "--disable-overlap-schedule",
+                   api_key=None)
+    try:
+        texts = {}
+        for name, srv in (("overlap", server), ("plain", plain)):
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda b, srv=srv: srv.post("/v1/completions", b), bodies))
+            assert all(status == 200 for status, _ in answers)
+            texts[name] = [(a["choices"][0]["text"], a["choices"][0]["finish_reason"]) for _, a in answers]
+        assert texts["plain"] == texts["overlap"]
+        assert plain.metrics()["tidal_scheduler_decodes_ahead_total"] == 0
+        assert plain.wait_idle()["tidal_kv_pages_in_use"] == 0
+    finally:
+        assert plain.stop() == []
 
 
 def test_bad_flag_values_name_the_flag(tiny_checkpoint):
