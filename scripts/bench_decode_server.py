@@ -6,9 +6,9 @@
 
 One ``tidal serve --load-format random`` per arm, all up at once: ``graphs`` (the defaults: CUDA
 graphs, overlapped scheduling), ``graphs-no-overlap`` (``--disable-overlap-schedule``), ``eager``
-(``--disable-cuda-graph``), ``eager-no-overlap`` (both); for each context and concurrency the arms take turns. Each sample starts ``concurrency``
-streamed greedy completions of ``--tokens`` tokens (``ignore_eos``) after distinct random prompts of
-that many tokens (nothing cached); decode tok/s = generated tokens after the first / the time from the
+(``--disable-cuda-graph``), ``eager-no-overlap`` (both); for each context and concurrency the arms
+take turns. Each sample starts ``concurrency`` streamed greedy completions of ``--tokens`` tokens
+(``ignore_eos``) after distinct random prompts of that many tokens (nothing cached); decode tok/s = generated tokens after the first / the time from the
 slowest first token to the last response's end. Writes ``DIR/bench_decode_server.json``.
 """
 
@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from server_harness import Server, stream_completion  # noqa: E402
 
 from tidal.executor.presets import write_checkpoint  # noqa: E402
-
 
 ARMS = {"graphs": [], "graphs-no-overlap": ["--disable-overlap-schedule"], "eager": ["--disable-cuda-graph"],
         "eager-no-overlap": ["--disable-cuda-graph", "--disable-overlap-schedule"]}
