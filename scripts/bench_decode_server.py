@@ -9,7 +9,8 @@ graphs, overlapped scheduling), ``graphs-no-overlap`` (``--disable-overlap-sched
 (``--disable-cuda-graph``), ``eager-no-overlap`` (both); for each context and concurrency the arms
 take turns. Each sample starts ``concurrency`` streamed greedy completions of ``--tokens`` tokens
 (``ignore_eos``) after distinct random prompts of that many tokens (nothing cached); decode tok/s =
-generated tokens after the first / the time from the slowest first token to the last response's end. Writes ``DIR/bench_decode_server.json``.
+generated tokens after the first / the time from the slowest first token to the last response's end.
+Writes ``DIR/bench_decode_server.json``.
 """
 
 from __future__ import annotations
