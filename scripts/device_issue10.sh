@@ -27,7 +27,7 @@ for part in $parts; do
       grep -E "^decode|rc |peak" $OUT/bench_decode.log ;;
     server)
       timeout ${SERVER_LIMIT:-300} python3 scripts/bench_decode_server.py --out $OUT/server --concurrency 1,8,32 \
-        --contexts 16,8192 --tokens 256 --arms graphs,graphs-no-overlap,eager > $OUT/bench_decode_server.log 2>&1
+        --contexts 16,8192 --tokens 128 --arms graphs,graphs-no-overlap,eager > $OUT/bench_decode_server.log 2>&1
       echo "server rc $?" >> $OUT/bench_decode_server.log
       grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
     numerics)
