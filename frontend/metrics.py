@@ -122,7 +122,8 @@ class Metrics:
         helps.update(tp_all_reduces="All-reduces issued by executor rank 0.",
                      tp_all_gathers="All-gathers issued by executor rank 0.",
                      tp_reduce_scatters="Reduce-scatters issued by executor rank 0.",
-                     tp_hc_shard_forwards="Forwards run with hyper-connection row sharding.")
+                     tp_hc_shard_forwards="Forwards run with hyper-connection row sharding.",
+                     cuda_graph_replays="Decode steps replayed from CUDA graphs.")
         for name, values in sorted(s.executor_stats.items()):
             lines += [f"# HELP tidal_{name}_total {helps.get(name, name)}", f"# TYPE tidal_{name}_total counter"]
             if name.startswith("expert_"):
