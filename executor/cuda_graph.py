@@ -15,15 +15,16 @@ size, and the QSA layers' block count to a power of two, so that every tensor sh
 * padding rows use a slot and a KV page that the scheduler never hands out (the pools hold one of
   each beyond its count), so they write nothing that a request reads.
 
-The graph ends with the logits of every row in fp32; sampling and the end-of-segment checkpoint
-copies run after the replay as for an eager forward. Graphs are captured when a shape is first met
-and share one memory pool. Without ``capture`` (the CPU) the same padded step runs eagerly, which is
-how CPU tests check it against the eager path.
+The graph ends with the logits of every row in fp32, in one buffer all graphs share; sampling and
+the end-of-segment checkpoint copies run after the replay as for an eager forward. Graphs are
+captured when a shape is first met and share one memory pool. Without ``capture`` (the CPU) the same
+padded step runs eagerly, which is how CPU tests check it against the eager path.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -66,7 +67,10 @@ class DecodeGraphs:
         self._rows = torch.arange(max_batch, **long)
         self._ones = torch.ones(max_batch, **long)
         self._empty = torch.empty(0, **long)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits here, so captures share one output (the rest of their memory
+        # is the pool's, reused from one graph to the next).
+        self.logits = torch.empty(max_batch, config.vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.steps = 0  # decode steps run through the fixed-shape path
 
@@ -117,11 +121,10 @@ class DecodeGraphs:
         self._fill(ids, positions, slots)
         self.steps += 1
         if self.capture:
-            graph, logits = self._graphs[key]
-            graph.replay()
+            self._graphs[key].replay()
         else:
-            logits = self._step(size, blocks)
-        return logits[:n]
+            self._step(size, blocks)
+        return self.logits[:n]
 
     def _fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
         pad = self.max_batch - len(ids)
@@ -133,7 +136,8 @@ class DecodeGraphs:
         if self.copied is not None:
             self.copied.record()
 
-    def _record(self, size: int, blocks: int):
+    def _record(self, size: int, blocks: int) -> torch.cuda.CUDAGraph:
+        t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -142,20 +146,20 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._step(size, blocks)
+            self._step(size, blocks)
         self._pool = graph.pool()
-        logger.info("captured the decode graph for %d rows, %d QSA blocks", size, blocks)
-        return graph, logits
+        logger.info("captured the decode graph for %d rows, %d QSA blocks in %.0f ms", size, blocks,
+                    (time.perf_counter() - t0) * 1e3)
+        return graph
 
-    def _step(self, size: int, blocks: int) -> torch.Tensor:
+    def _step(self, size: int, blocks: int) -> None:
         fb = self._forward_batch(size, blocks)
         streams, pending = self.model(fb)
-        logits = self.model.logits(streams, pending, self._rows[:size]).float()
+        self.logits[:size].copy_(self.model.logits(streams, pending, self._rows[:size]))
         width = self.states.ngram_context.shape[1]
         if width:  # the slot's n-gram context moves on by this row's token
             ctx = torch.cat([fb.ngram_context[:, 1:], fb.input_ids[:, None]], dim=1)
             self.states.ngram_context[fb.all.slots] = ctx
-        return logits
 
     def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
         """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer
