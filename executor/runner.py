@@ -170,6 +170,8 @@ class ModelRunner:
             self.grammars.mask(masked, matchers)
             ids = self.sampler(masked, [specs[i].sampling or GREEDY for i in sampled],
                                [specs[i].sample_index for i in sampled], counts)
+            if tp().size > 1:  # every rank goes on with rank 0's tokens (the ones the scheduler sees)
+                ids = tp().broadcast(torch.tensor(ids, device=self.device)).tolist()
             for i, tok in zip(sampled, ids, strict=True):
                 scripted = scripted_output(specs[i].sample_index)
                 out.token_ids[i] = tok if scripted is None else scripted

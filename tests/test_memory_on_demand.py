@@ -95,3 +95,33 @@ def test_score_after_the_cache_holds_pages(tiny_checkpoint):
     logits = llm.score(ids(400, 6))
     fresh = LLM(tiny_checkpoint).score(ids(400, 6))
     assert (logits - fresh).abs().max().item() <= 1e-4
+
+
+def test_preemption_through_the_server_with_overlap(tiny_checkpoint, alone):
+    """The same three requests through ``tidal serve`` (two batches in flight, decodes sent ahead)
+    with the 32-page pool: preempted and resumed, each equals its run alone; the pools end idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_harness import Server, Tap
+
+    srv = Server(tiny_checkpoint, "--max-prefill-length", "64", "--kv-pool-tokens", "512", "--max-model-len", "512",
+                 api_key=None)
+    tap = Tap(srv.tap_addr)
+    try:
+        bodies = [{"model": "tiny", "prompt": p, "max_tokens": OUTPUT, "temperature": 0, "ignore_eos": True}
+                  for p in PROMPTS]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda b: srv.post("/v1/completions", b), bodies))
+        got = []
+        for status, body in answers:
+            assert status == 200, body
+            _, ids, final = tap.wait_finished(body["id"].removeprefix("cmpl-"))
+            assert final["finish_reason"] == "length"
+            got.append(ids)
+        assert got == alone
+        m = srv.wait_idle()
+        assert m["tidal_scheduler_preemptions_total"] > 0 and m["tidal_scheduler_decodes_ahead_total"] > 0
+        assert m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0
+    finally:
+        tap.close()
+        assert srv.stop() == []

@@ -196,7 +196,9 @@ def test_serve_tp2_end_to_end(tiny_checkpoint):
         assert status == 200, body
         _, token_ids, final = tap.wait_finished(body["id"].removeprefix("cmpl-"))
         assert token_ids == expected and final["finish_reason"] == "length"
-        assert srv.wait_idle()["tidal_kv_pages_in_use"] == 0
+        m = srv.wait_idle()
+        assert m["tidal_kv_pages_in_use"] == 0
+        assert m["tidal_scheduler_decodes_ahead_total"] >= 8  # decodes sent ahead: every rank filled in rank 0's token
     finally:
         tap.close()
         assert srv.stop() == []

@@ -42,6 +42,13 @@ class TPGroup:
             return out
         return torch.cat([part.movedim(0, dim) for part in out.chunk(self.size)], dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s ``x`` on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.group)
+            self.counters["broadcast"] += 1
+        return x
+
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Rank ``r``'s part (rows ``[r*n/size, (r+1)*n/size)``) of the sum of ``x`` over ranks."""
         if self.size == 1:
