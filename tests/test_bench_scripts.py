@@ -114,3 +114,16 @@ def test_bench_layer_major_runs_on_cpu(tmp_path):
     assert cont["cached_tokens"] == 576
     # Streamed layers are counted: the chunked arm moves more expert bytes than the layer-major one.
     assert data["summary"]["chunked"]["h2d_bytes"] > data["summary"]["layer_major"]["h2d_bytes"] > 0
+
+
+def test_profile_decode_runs_on_cpu(tmp_path):
+    proc = run_script("profile_decode.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                      "--batches", "1,2", "--contexts", "16,40", "--steps", "3", "--graphs", "on,off",
+                      "--kernel-table", "3")
+    assert "graphs on: this device runs no CUDA graphs; skipped" in proc.stdout
+    rows = json.loads((tmp_path / "profile_decode.json").read_text())["rows"]
+    assert [(r["cuda_graph"], r["batch"], r["context"]) for r in rows] == \
+        [(False, 1, 16), (False, 2, 16), (False, 1, 40), (False, 2, 40)]
+    for r in rows:
+        assert r["steps"] == 3 and r["tok_per_s"] > 0
+        assert math.isclose(r["gpu_busy_ms_per_step"] + r["gpu_idle_ms_per_step"], r["wall_ms_per_step"])
