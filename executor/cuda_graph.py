@@ -62,7 +62,7 @@ class DecodeGraphs:
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         self.slot_pages = torch.full((states.num_slots, max_pages), pad_page, dtype=torch.int32, device=device)
         self.wide: set[int] = set()  # slots whose page table outgrew ``max_pages`` (eager forwards only)
-        self._pending: list[tuple[int, int, int]] = []  # (slot, column, page) not yet on the device
+        self._pending: dict[tuple[int, int], int] = {}  # (slot, column) -> page, not yet on the device
         self._cu = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(max_batch, **long)
         self._ones = torch.ones(max_batch, **long)
@@ -83,12 +83,14 @@ class DecodeGraphs:
         if base + len(pages) > self.max_pages:
             self.wide.add(slot)
             return
-        self._pending.extend((slot, base + j, p) for j, p in enumerate(pages))
+        for j, page in enumerate(pages):  # the latest write of a (slot, column) wins: one index each
+            self._pending[slot, base + j] = page
 
-    def _flush_pages(self) -> None:
+    def flush_pages(self) -> None:
+        """Write the page-table changes noted since the last flush to the device table."""
         if not self._pending:
             return
-        writes = torch.tensor(self._pending, dtype=torch.long).T.to(self.device)
+        writes = torch.tensor([(s, c, p) for (s, c), p in self._pending.items()], dtype=torch.long).T.to(self.device)
         self.slot_pages[writes[0], writes[1]] = writes[2].to(torch.int32)
         self._pending.clear()
 
@@ -113,7 +115,7 @@ class DecodeGraphs:
         """fp32 logits ``[len(ids), vocab]`` of one decode row per request (rows in the given order)."""
         n = len(ids)
         size, blocks = self._shape(positions)
-        self._flush_pages()
+        self.flush_pages()
         key = (size, blocks)
         if self.capture and key not in self._graphs:
             self._fill([], [], [])  # warm-up and capture touch only the padding slot and page

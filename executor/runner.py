@@ -80,10 +80,14 @@ class ModelRunner:
         specs = batch.segments
         for spec in specs:
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
-                if len(spec.token_ids) != 1 or spec.slot not in self.last_sampled:
-                    raise ValueError(f"segment of request {spec.rid}: token -1 with no token sampled in slot "
-                                     f"{spec.slot} before")
-                spec.token_ids = [self.last_sampled[spec.slot]]
+                if len(spec.token_ids) != 1:
+                    raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
+                # None sampled there (the batch before failed): the scheduler ends the request with that
+                # batch and drops this row's result, so any token does; the batch's other rows go on.
+                spec.token_ids = [self.last_sampled.get(spec.slot, 0)]
+        for spec in specs:  # what this batch samples replaces what the slot sampled before, or nothing
+            if spec.sample:
+                self.last_sampled.pop(spec.slot, None)
         if self._graph_batch(batch):
             out = self._execute_graph(specs)
             if out is not None:
@@ -264,6 +268,8 @@ class ModelRunner:
             segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=self._table(spec),
                                     exports=[(int(o), int(d)) for o, d in spec.exports]))
             row += n
+        if self.graphs is not None:  # the device tables follow every batch, not only graph steps
+            self.graphs.flush_pages()
         eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
         ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
         return build_forward_batch(segments, ids, self.kv, self.states, eos, self.device, qsa_ratio=ratio or 0)

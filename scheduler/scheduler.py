@@ -170,10 +170,12 @@ class Scheduler:
             return None
         for seg in segments:
             self.requests[seg.rid].in_flight += 1
-        self.counters["decodes_ahead"] += sum(1 for seg in segments if seg.token_ids == [-1])
+        ahead = sum(1 for seg in segments if seg.token_ids == [-1])
+        self.counters["decodes_ahead"] += ahead
         self.batch_id += 1
         rows = sum(len(seg.token_ids) for seg in segments)
-        shard, _ = hc_shard_decision(self.args, rows, any(self.requests[s.rid].prefill_done for s in segments))
+        decodes = ahead > 0 or any(self.requests[s.rid].prefill_done for s in segments)
+        shard, _ = hc_shard_decision(self.args, rows, decodes)
         return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
                      chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0, hc_shard=shard)
 

@@ -103,3 +103,25 @@ def test_graph_steps_after_a_prefix_hit(tiny_checkpoint):
     want = eager.generate([longer], max_tokens=30, ignore_eos=True)
     assert llm.generate([longer], max_tokens=30, ignore_eos=True) == want
     assert llm.scheduler.counters["cache_hits"] == 1
+
+
+def test_a_decode_sent_ahead_after_a_failed_batch(tiny_checkpoint):
+    """Token -1 stands for what the slot sampled in the batch before. When that batch failed before
+    sampling, the row runs on a stand-in token (the scheduler drops its result with the failed
+    request), and the other rows of the batch are unaffected."""
+    from tidal.messages import Batch, SegmentSpec
+
+    runner = LLM(tiny_checkpoint).runner
+    first, other = ids(20, 30), ids(25, 31)
+    want = LLM(tiny_checkpoint).generate([other], max_tokens=1, ignore_eos=True)[0]
+    failing = Batch(batch_id=1, segments=[
+        SegmentSpec(rid="r", slot=3, start=0, token_ids=first, pages=[0, 1], sample=True),
+        SegmentSpec(rid="bad", slot=4, start=0, token_ids=[], pages=[2], sample=True)])
+    with pytest.raises(ValueError, match="has no tokens"):
+        runner.execute(failing)
+    ahead = Batch(batch_id=2, segments=[
+        SegmentSpec(rid="r", slot=3, start=20, token_ids=[-1], sample=True, sample_index=1),
+        SegmentSpec(rid="o", slot=6, start=0, token_ids=other, pages=[10, 11], sample=True)])
+    out = runner.execute(ahead)
+    assert out.token_ids[1] == want[0]
+    assert runner.last_sampled[3] == out.token_ids[0]  # the next decode sent ahead reads this one
