@@ -85,8 +85,7 @@ class ModelRunner:
                 # None sampled there (the batch before failed): the scheduler ends the request with that
                 # batch and drops this row's result, so any token does; the batch's other rows go on.
                 spec.token_ids = [self.last_sampled.get(spec.slot, 0)]
-        for spec in specs:  # what this batch samples replaces what the slot sampled before, or nothing
-            if spec.sample:
+            if spec.sample:  # what this batch samples replaces what the slot sampled before, or nothing
                 self.last_sampled.pop(spec.slot, None)
         if self._graph_batch(batch):
             out = self._execute_graph(specs)

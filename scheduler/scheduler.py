@@ -214,12 +214,8 @@ class Scheduler:
             return None
         if self.cache is not None and (start + 1) % self.args.checkpoint_align == 0:
             return None
-        need = self._pages_for(start + 1) - len(req.pages)
-        if need > 0:
-            new = self.cache.alloc_pages(need) if self.cache is not None else self.pages.alloc(need)
-            if new is None:
-                return None
-            req.pages += new
+        if not self._ensure_pages(req, start + 1, preempt=False):
+            return None
         base, pages = self._page_delta(req)
         return SegmentSpec(rid=req.rid, slot=req.slot, start=start, token_ids=[-1], pages=pages, page_base=base,
                            sample=True, sampling=req.sampling, sample_index=produced)
@@ -241,15 +237,17 @@ class Scheduler:
         return base, req.pages[base:]
 
     # ---- memory on demand ---------------------------------------------------------------------
-    def _ensure_pages(self, req: Request, positions: int) -> bool:
-        """Give ``req`` pages for ``positions``; under pressure preempt the newest running request
-        (``req`` itself if it is the newest). ``False`` when ``req`` cannot run this turn."""
+    def _ensure_pages(self, req: Request, positions: int, preempt: bool = True) -> bool:
+        """Give ``req`` pages for ``positions``; under pressure (with ``preempt``) preempt the newest
+        running request (``req`` itself if it is the newest). ``False`` when ``req`` cannot run this turn."""
         need = self._pages_for(positions) - len(req.pages)
         while need > 0:
             new = self.cache.alloc_pages(need) if self.cache is not None else self.pages.alloc(need)
             if new is not None:
                 req.pages += new
                 return True
+            if not preempt:
+                return False
             victim = next((r for r in reversed(self.running.values())
                            if not r.in_flight and not r.want_logits), None)
             if victim is None:
