@@ -21,9 +21,25 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 # grouped GEMM until the Triton kernel's decode tiles are tuned; Triton serves fp32 and fp16.
 TRITON_MAX_ASSIGNMENTS = 0
 
+# On CUDA, batches of at most this many tokens run the routed and shared experts as the two GEMV kernels
+# of ``moe_decode_triton`` (each assignment streams its expert's weights once); larger batches take the
+# grouped GEMM. Measured on the H200 at the bench shapes with scripts/bench_moe_decode.py.
+GEMV_MAX_TOKENS = 8
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax router: ``(weights [T, K] in logits' dtype, expert ids [T, K])``."""
+    """Softmax router: ``(weights [T, K] in logits' dtype, expert ids [T, K])``. On CUDA one Triton
+    launch (``moe_decode_triton.route_triton``; among exactly tied probabilities it takes the lower
+    expert id, where ``torch.topk`` leaves the choice open)."""
+    if use_triton(router_logits):
+        from .moe_decode_triton import route_triton
+
+        return route_triton(router_logits, top_k, renormalize)
+    return route_ref(router_logits, top_k, renormalize)
+
+
+def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`route` in torch: softmax in fp32, ``torch.topk``, renormalised."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -101,3 +117,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     per_slot[order] = h * weights.flatten()[order, None]
     return per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    """Whether a batch of ``x``'s rows runs its experts as ``moe_decode_triton.moe_gemv`` (CUDA, Triton,
+    at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype)."""
+    return use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_TOKENS and gate_up.dtype == x.dtype
+

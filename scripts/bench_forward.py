@@ -52,8 +52,9 @@ Decode HBM floor of one step of B requests, each with c keys before its new toke
   + B embedding rows (H) + B rows of every PLE n-gram table (P)
   + routed experts: n_layers * E * (1 - (1 - top_k/E)^B) * 3*H*I   (the expected number of distinct
              experts for B tokens under uniformly random routing)
-  + per attention layer and request: keys(c) * 2*nkv*hd K/V read, the raw index keys of the complete
-             blocks ((c + 1) // ratio * ratio * di) read for QSA pooling, the new K, V, index key written
+  + per attention layer and request: keys(c) * 2*nkv*hd K/V read, the pooled QSA key of every complete
+             block scored ((c + 1) // ratio * di) plus one raw index key (a block's raw keys are pooled
+             once, when it completes), the new K, V, index key written
   + per GDN layer and request: the fp32 state Hv*dk*dv*4 read and written, the conv window
              (k - 1) * conv_dim read and written
   + per PLE layer and request: the conv window (k - 1) * ngram_size * hc*H read and written
@@ -98,7 +99,8 @@ FLOP_FORMULA = (
 BYTE_FORMULA = (
     "non-routed weights + conv taps + mixer + lm_head; B*(H + n_ple*P) embedding rows; "
     "n_layers*E*(1-(1-top_k/E)^B)*3*H*I routed (uniform routing expectation); per attention layer and "
-    "request keys(c)*2*nkv*hd + QSA raw index keys of complete blocks + new K/V/index key; per GDN layer "
+    "request keys(c)*2*nkv*hd + QSA pooled keys of complete blocks + one raw index key + new K/V/index key; "
+    "per GDN layer "
     "and request 2*Hv*dk*dv*4 state + 2*(k-1)*conv_dim window; per PLE layer and request 2*W*hc*H window"
 )
 TOKEN_LOW, TOKEN_HIGH = 1000, 240000
@@ -249,8 +251,9 @@ def decode_bytes(c: ModelConfig, batch: int, context: float, elem: int) -> dict[
     pos = torch.tensor([int(round(context))])
     keys = int(attended_keys(c, pos)[0])
     per_token_kv = 2 * c.num_key_value_heads * c.head_dim + (c.indexer_head_dim if c.has_qsa else 0)
-    index_read = ((int(round(context)) + 1) // c.indexer_compress_ratio * c.indexer_compress_ratio
-                  * c.indexer_head_dim) if c.has_qsa else 0
+    # QSA: the pooled key of every complete block is scored; a block's raw index keys are read once, when
+    # its last token arrives (one key a step, amortised).
+    index_read = ((int(round(context)) + 1) // c.indexer_compress_ratio + 1) * c.indexer_head_dim if c.has_qsa else 0
     n_attn, n_gdn, n_ple = len(c.attention_layers), len(c.linear_layers), len(c.ple_layers)
     gdn_state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     return {

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
-# decode through tidal serve (graphs and overlap on and off); numerics: scripts/numerics_check.py. Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|profile|floor|server|numerics ...]   (default: tests profile floor)
+# decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
+# them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py. Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -13,6 +14,14 @@ for part in $parts; do
       timeout ${TEST_LIMIT:-200} python3 -m pytest -p no:cacheprovider -q -m gpu tests/test_forward_gpu.py \
         > $OUT/forward_gpu.log 2>&1; echo "forward tests rc $?" >> $OUT/forward_gpu.log
       tail -4 $OUT/forward_gpu.log ;;
+    kernels)
+      timeout ${KTEST_LIMIT:-200} python3 -m pytest -p no:cacheprovider -q tests/test_kernel_moe_decode.py \
+        tests/test_kernel_qsa_select.py tests/test_kernel_moe.py tests/test_kernel_moe_triton.py \
+        tests/test_kernel_ngram_qsa.py > $OUT/kernel_tests.log 2>&1; echo "kernel tests rc $?" >> $OUT/kernel_tests.log
+      tail -4 $OUT/kernel_tests.log
+      timeout ${KBENCH_LIMIT:-200} python3 scripts/bench_decode_kernels.py --out $OUT > $OUT/bench_decode_kernels.log 2>&1
+      echo "kernel bench rc $?" >> $OUT/bench_decode_kernels.log
+      cat $OUT/bench_decode_kernels.log ;;
     profile)
       timeout ${TABLE_LIMIT:-90} python3 scripts/profile_decode.py --out $OUT/table --batches 1 --contexts 8192 \
         --steps 24 --graphs on --kernel-table 45 > $OUT/profile_kernels.log 2>&1; echo "table rc $?" >> $OUT/profile_kernels.log

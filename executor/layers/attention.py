@@ -7,12 +7,17 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.attention import paged_attention
+from ...kernels.backend import use_triton
 from ...kernels.qsa import pick_blocks
 from ..distributed import split
 from ..distributed.shard import kv_heads
 from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
 from .rotary import Rotary
+
+# The Triton block choice (``kernels/qsa_triton.py``) holds a query's block scores in registers for its
+# top-k: up to this many blocks (its MAX_BLOCKS, kept here so the CPU path never imports triton).
+QSA_TRITON_MAX_BLOCKS = 4096
 
 
 class QSAIndexer(nn.Module):
@@ -51,6 +56,11 @@ class QSAIndexer(nn.Module):
         qsa = batch.qsa
         width = max(1, min(self.block_topk, qsa.max_blocks))
         # One spare row at the end takes the writes of padding queries (no data-dependent shapes).
+        if qsa.max_blocks and use_triton(index_q) and qsa.max_blocks <= QSA_TRITON_MAX_BLOCKS:
+            from ...kernels.qsa_triton import qsa_select
+
+            return qsa_select(index_q, batch.kv.flat(batch.kv.index_block_k, layer), qsa.key_rows,
+                              batch.row_segment, batch.positions, qsa.max_blocks, self.ratio, width)
         sel = torch.full((index_q.shape[0] + 1, width), -1, dtype=torch.int32, device=index_q.device)
         if qsa.max_blocks:
             keys = batch.kv.flat(batch.kv.index_block_k, layer)[qsa.key_rows]  # [N, B, d]

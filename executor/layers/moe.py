@@ -8,7 +8,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
-from ...kernels.moe import fused_experts, route
+from ...kernels.moe import fused_experts, gemv_applies, route
 from ..distributed import split
 from .linear import Linear
 
@@ -24,13 +24,17 @@ class SharedExpert(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
         self._gate_up: torch.Tensor | None = None
 
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``[gate; up]`` weight ``[2 * I, H]`` on ``x``'s device in its dtype."""
+        if self._gate_up is None or self._gate_up.device != x.device or self._gate_up.dtype != x.dtype:
+            self._gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(x.dtype)
+        return self._gate_up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from ...kernels.moe_triton import silu_mul
 
-            if self._gate_up is None or self._gate_up.device != x.device or self._gate_up.dtype != x.dtype:
-                self._gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(x.dtype)
-            return self.down_proj(silu_mul(F.linear(x, self._gate_up)))
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up(x))))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -72,6 +76,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        experts, shared = self.experts, self.shared_expert
+        if experts.store is None and gemv_applies(x, experts.gate_up_proj):
+            # Small batches: routed and shared experts, gate and sum in two GEMV launches.
+            from ...kernels.moe_decode_triton import moe_gemv
+
+            return moe_gemv(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+                            (shared.gate_up(x), shared.down_proj.weight, self.shared_expert_gate.weight))
         routed = self.experts(x, ids, weights)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -1,0 +1,223 @@
+"""Triton kernels for the MoE of small batches: the router's softmax top-k, and the routed plus shared
+experts as two weight-streaming GEMV kernels.
+
+Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
+
+At decode sizes a token's ten experts are ten distinct weight matrices read once each: the work is
+streaming weights at memory bandwidth, and what costs is everything around it (sorting assignments by
+expert, padding them to GEMM tiles, two grouped GEMMs with their setup kernels, the SiLU-gate, the
+combine, and the shared expert's own two GEMMs, gate, sigmoid and add: about 25 launches a layer).
+Here a layer's MoE after the router GEMM is three launches:
+
+1. ``_route_kernel``, one program per token: softmax over the expert logits in fp32, the top-k by
+   repeated arg-max (ties go to the lower expert id), renormalised if the model says so.
+2. ``_gate_up_kernel``, grid ``(T * (K + S), cdiv(I, BLOCK_N))`` (``S`` = 1 with a shared expert):
+   each program takes one (token, expert) assignment (the shared expert is assignment ``K``) and
+   ``BLOCK_N`` of its intermediate columns, reads the gate and up rows of that expert against the
+   token's ``x``, and writes ``silu(gate) * up`` in ``x``'s dtype.
+3. ``_down_kernel``, grid ``(T, cdiv(H, BLOCK_N))``: for ``BLOCK_N`` output features of one token, the
+   routed experts' ``down`` rows against their activations, summed in a fixed order with the routing
+   weights, plus ``sigmoid(x . shared_gate)`` times the shared expert's; fp32 throughout and one
+   rounding at the end. Deterministic: no atomics, no split-K.
+
+Each assignment reads its expert's weights once, so a batch whose tokens share experts reads those
+weights once per token (from L2 when it can): the kernels serve batches up to
+:data:`tidal.kernels.moe.GEMV_MAX_TOKENS`, and larger ones take the grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < n_experts
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = tl.where(ok, p, 0.0)
+    probs = p / tl.sum(p, 0)
+    cur = tl.where(ok, probs, -1.0)  # probabilities are >= 0: -1 marks padding and experts taken
+    kk = tl.arange(0, K_PAD)
+    vals = tl.zeros([K_PAD], tl.float32)
+    idx = tl.zeros([K_PAD], tl.int64)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(cur, 0)
+        at = tl.argmax(cur, 0, tie_break_left=True)
+        vals = tl.where(kk == k, best, vals)
+        idx = tl.where(kk == k, at.to(tl.int64), idx)
+        cur = tl.where(e == at, -1.0, cur)
+    if RENORM:
+        vals = vals / tl.sum(vals, 0)
+    out = kk < TOP_K
+    tl.store(w_ptr + t * TOP_K + kk, vals.to(w_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + t * TOP_K + kk, idx, mask=out)
+
+
+def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`tidal.kernels.moe.route`: ``(weights [T, K] in the logits' dtype,
+    expert ids [T, K] int64)``; one launch."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        block = triton.next_power_of_2(experts)
+        _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+                                 K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORM=renormalize,
+                                 num_warps=4 if block >= 512 else 1)
+    return weights, ids
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """``block_n`` output columns a program; ``block_k`` the reduction tile."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
+# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_moe_decode.py.
+CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
+    (2, GemvConfig(16, 256, 4), GemvConfig(8, 512, 4)),
+    (1 << 62, GemvConfig(32, 256, 4), GemvConfig(16, 512, 4)),
+)
+
+
+def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
+    for limit, gate_up, down in CONFIGS:
+        if tokens <= limit:
+            return gate_up, down
+    return CONFIGS[-1][1], CONFIGS[-1][2]
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
+                    hidden, inter, s_inter, act_width, sx_t, sgu_e,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    a = tl.program_id(0).to(tl.int64)
+    per_token: tl.constexpr = TOP_K + SHARED
+    t = a // per_token
+    k = a % per_token
+    if k < TOP_K:
+        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
+        w = gu_ptr + expert * sgu_e
+        n_out = inter
+    else:
+        w = sgu_ptr
+        n_out = s_inter
+    n0 = tl.program_id(1) * BLOCK_N
+    if n0 >= n_out:  # the routed and the shared intermediate sizes may differ
+        return
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n_out
+    g_rows = w + cols.to(tl.int64)[:, None] * hidden  # gate rows; the up rows follow the n_out gate rows
+    u_rows = g_rows + n_out * hidden
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kmask = k0 + ks < hidden
+        xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        m = cmask[:, None] & kmask[None, :]
+        g = tl.load(g_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * xv[None, :], 1)
+        acc_u += tl.sum(u * xv[None, :], 1)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(act_ptr + a * act_width + cols, act.to(act_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr, out_ptr,
+                 hidden, inter, s_inter, act_width, sx_t, sd_e, so_t,
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    per_token: tl.constexpr = TOP_K + SHARED
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
+        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+        rows = down_ptr + expert * sd_e + cols.to(tl.int64)[:, None] * inter
+        a_row = act_ptr + (t * per_token + k) * act_width
+        part = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kmask = k0 + ks < inter
+            av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(d * av[None, :], 1)
+        acc += weight * part
+    if SHARED:
+        gate = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kmask = k0 + ks < hidden
+            xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        gate_s = tl.sum(gate, 0)
+        rows = sdown_ptr + cols.to(tl.int64)[:, None] * s_inter
+        a_row = act_ptr + (t * per_token + TOP_K) * act_width
+        part = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, s_inter, BLOCK_K):
+            kmask = k0 + ks < s_inter
+            av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(d * av[None, :], 1)
+        acc += part / (1.0 + tl.exp(-gate_s))
+    tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
+    """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``, plus
+    ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; two launches.
+
+    Args: x ``[T, H]``; ids, weights ``[T, K]``; gate_up ``[E, 2I, H]`` (gate rows first); down
+    ``[E, H, I]``; ``shared = (gate_up_s [2Is, H], down_s [H, Is], gate [1, H] or [H])``. Weights in
+    x's dtype, contiguous along their last dimension; ``configs`` overrides :data:`CONFIGS`.
+    """
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
+    assert gate_up.stride(2) == 1 and gate_up.stride(1) == hidden and down.stride(2) == 1 and down.stride(1) == inter
+    out = torch.empty_like(x)
+    if tokens == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if shared is not None:
+        s_gate_up, s_down, s_gate = (t.contiguous() for t in shared)
+        s_inter = s_gate_up.shape[0] // 2
+        assert s_gate_up.shape == (2 * s_inter, hidden) and s_down.shape == (hidden, s_inter)
+        assert s_gate.numel() == hidden
+    else:
+        s_gate_up, s_down, s_gate, s_inter = gate_up, down, x, 0
+    per_token = top_k + (shared is not None)
+    width = max(inter, s_inter)
+    cfg_a, cfg_b = configs or pick_config(tokens)
+    act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
+    ids = ids.contiguous()
+    _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
+        x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
+        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps)
+    _down_kernel[(tokens, triton.cdiv(hidden, cfg_b.block_n))](
+        x, act, ids, weights.contiguous(), down, s_down, s_gate, out, hidden, inter, s_inter, width,
+        x.stride(0), down.stride(0), out.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
+        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))), num_warps=cfg_b.num_warps)
+    return out

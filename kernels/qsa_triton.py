@@ -1,0 +1,89 @@
+"""Triton QSA block choice: score every visible key block and take the top-k, one program per query.
+
+Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
+
+``_select_kernel``, grid ``(T,)``: a program takes one query row, its index queries ``[Hi, d]`` and
+its segment's pooled block keys (gathered through ``key_rows``, ``BLOCK_B`` blocks at a time), forms
+``sum_h relu(q_h . k_b) / sqrt(d)`` with one ``tl.dot`` a tile (fp32 accumulation of exact bf16
+products: the torch path's fp32 einsum up to summation order), writes the scores of its visible
+blocks to a scratch row, then takes the top ``width`` of them by repeated arg-max (ties go to the
+lower block, so equal scores give the same choice every run) and writes ``-1`` past the visible
+count. This replaces the gather of the keys, their fp32 copy, the einsum, ReLU, head sum, mask,
+``torch.topk`` and the index writes of the torch path: one launch a layer for the whole batch.
+
+The scratch row is ``B_PAD`` wide (the block count's next power of two), and the top-k holds it in
+registers, so the kernel serves up to :data:`MAX_BLOCKS` blocks; longer contexts take the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCKS = 4096
+
+
+@triton.jit
+def _select_kernel(q_ptr, keys_ptr, key_rows_ptr, row_seg_ptr, pos_ptr, scores_ptr, sel_ptr,
+                   n_blocks, n_heads, head_dim, ratio, width, scale,
+                   sq_t, sq_h, sk_r, skr_n, ss_t, ssel_t,
+                   H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_B: tl.constexpr, B_PAD: tl.constexpr,
+                   W_PAD: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    seg = tl.load(row_seg_ptr + row)
+    visible = tl.minimum((tl.load(pos_ptr + row) + 1) // ratio, n_blocks)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    dmask = d < head_dim
+    q = tl.load(q_ptr + row * sq_t + h[:, None] * sq_h + d[None, :],
+                mask=(h < n_heads)[:, None] & dmask[None, :], other=0.0)
+    for b0 in range(0, visible, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        bmask = b < visible
+        krow = tl.load(key_rows_ptr + seg * skr_n + b, mask=bmask, other=0)
+        k = tl.load(keys_ptr + krow[:, None] * sk_r + d[None, :], mask=bmask[:, None] & dmask[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        score = tl.sum(tl.maximum(s, 0.0), 0) * scale
+        tl.store(scores_ptr + row * ss_t + b, score, mask=bmask)
+    tl.debug_barrier()  # the scores written above are read back below, by other threads of the program
+    bb = tl.arange(0, B_PAD)
+    cur = tl.load(scores_ptr + row * ss_t + bb, mask=bb < visible, other=float("-inf"))
+    kk = tl.arange(0, W_PAD)
+    out = tl.full([W_PAD], -1, tl.int32)
+    for k in range(0, width):
+        best = tl.max(cur, 0)
+        at = tl.argmax(cur, 0, tie_break_left=True)
+        out = tl.where(kk == k, tl.where(best == float("-inf"), -1, at.to(tl.int32)), out)
+        cur = tl.where(bb == at, float("-inf"), cur)
+    tl.store(sel_ptr + row * ssel_t + kk, out, mask=kk < width)
+
+
+def qsa_select(index_q: torch.Tensor, block_keys: torch.Tensor, key_rows: torch.Tensor, row_segment: torch.Tensor,
+               positions: torch.Tensor, n_blocks: int, ratio: int, width: int) -> torch.Tensor:
+    """``block_sel [T, width]`` int32: per query row, its top-``width`` visible complete blocks (``b <
+    (position + 1) // ratio``) by ``sum_h relu(q_h . k_b) / sqrt(d)``, best first, ``-1`` past them.
+
+    Args: index_q ``[T, Hi, d]``; block_keys ``[rows, d]`` (the pooled block keys' cache rows);
+    key_rows ``[N, >= n_blocks]`` the row of each segment's block ``b``; row_segment, positions ``[T]``.
+    ``n_blocks`` at most :data:`MAX_BLOCKS`.
+    """
+    tokens, heads, dim = index_q.shape
+    assert 0 < n_blocks <= MAX_BLOCKS and block_keys.stride(1) == 1 and index_q.stride(2) == 1
+    b_pad = max(16, triton.next_power_of_2(n_blocks))
+    sel = torch.empty(tokens, width, dtype=torch.int32, device=index_q.device)
+    if tokens == 0:
+        return sel
+    scores = torch.empty(tokens, b_pad, dtype=torch.float32, device=index_q.device)
+    block_b = 64 if b_pad >= 64 else b_pad
+    _select_kernel[(tokens,)](
+        index_q, block_keys, key_rows, row_segment, positions, scores, sel,
+        n_blocks, heads, dim, ratio, width, dim ** -0.5,
+        index_q.stride(0), index_q.stride(1), block_keys.stride(0), key_rows.stride(0), scores.stride(0), sel.stride(0),
+        H_PAD=max(16, triton.next_power_of_2(heads)), D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_B=block_b,
+        B_PAD=b_pad, W_PAD=max(2, triton.next_power_of_2(width)), IEEE=index_q.dtype == torch.float32,
+        num_warps=4)
+    return sel

@@ -1,0 +1,189 @@
+"""Decode-size kernels against the torch paths they replace, on one GPU, each replayed from a CUDA graph
+(as decode runs them).
+
+    python scripts/bench_decode_kernels.py --out DIR [--tokens 1,2,4,8,16,32] [--contexts 8192,32768,131072]
+
+MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
+tokens, the ``grouped`` arm is the layer's MoE after the router GEMM as it ran before the GEMV kernels
+(softmax + ``torch.topk`` router, sort + grouped GEMMs + SiLU-gate + combine, the shared expert's GEMMs,
+gate, sigmoid and add); the ``gemv`` arm is ``route_triton`` + ``moe_gemv`` with each candidate config.
+The HBM floor is the bytes of the distinct routed experts plus the shared expert over the bandwidth of a
+device copy measured in the same run.
+
+QSA block choice (16 index heads of 128, blocks of 64, top-32): T decode rows at each context, the torch
+path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, masked top-k) against
+``qsa_select``; and one 32K-token prompt's rows (``--prefill``).
+
+Prints a table and writes ``DIR/bench_decode_kernels.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+from tidal.kernels import moe as moe_k
+from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
+from tidal.kernels.moe_triton import silu_mul
+from tidal.kernels.qsa import pick_blocks
+from tidal.kernels.qsa_triton import qsa_select
+
+H, E, K, INTER, S_INTER = 2048, 512, 10, 512, 512
+CANDIDATES = [
+    (GemvConfig(8, 256, 4), GemvConfig(8, 512, 4)),
+    (GemvConfig(16, 256, 4), GemvConfig(8, 512, 4)),
+    (GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
+    (GemvConfig(32, 256, 4), GemvConfig(16, 512, 4)),
+    (GemvConfig(32, 256, 8), GemvConfig(32, 256, 8)),
+    (GemvConfig(64, 128, 4), GemvConfig(16, 256, 4)),
+]
+
+
+def graph_us(fn, replays: int = 200) -> float:
+    """Median-free mean of ``replays`` replays of ``fn`` captured in one CUDA graph, microseconds."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / replays)
+    return best
+
+
+def bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def grouped_moe(x, logits, gate_up, down, s_gate_up, s_down, s_gate):
+    """The layer's MoE as it ran before the GEMV kernels (route_ref + grouped GEMMs + shared expert)."""
+    weights, ids = moe_k.route_ref(logits, K, True)
+    routed = moe_k.fused_experts(x, ids, weights, gate_up, down)
+    shared = F.linear(silu_mul(F.linear(x, s_gate_up)), s_down)
+    return routed + torch.sigmoid(F.linear(x, s_gate)) * shared
+
+
+def gemv_moe(x, logits, gate_up, down, shared, cfg):
+    weights, ids = route_triton(logits, K, True)
+    return moe_gemv(x, ids, weights, gate_up, down, shared, configs=cfg)
+
+
+def bench_moe(tokens_list, bw, results):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    gate_up = (torch.randn(E, 2 * INTER, H, generator=g, device="cuda") / H ** 0.5).to(dt)
+    down = (torch.randn(E, H, INTER, generator=g, device="cuda") / INTER ** 0.5).to(dt)
+    s_gate_up = (torch.randn(2 * S_INTER, H, generator=g, device="cuda") / H ** 0.5).to(dt)
+    s_down = (torch.randn(H, S_INTER, generator=g, device="cuda") / S_INTER ** 0.5).to(dt)
+    s_gate = (torch.randn(1, H, generator=g, device="cuda") / H ** 0.5).to(dt)
+    print(f"{'MoE T':>6} {'grouped us':>11} {'gemv us (best)':>15} {'config':>34} {'floor us':>9} {'floor/gemv':>10}")
+    for t in tokens_list:
+        x = torch.randn(t, H, generator=g, device="cuda").to(dt)
+        logits = torch.randn(t, E, generator=g, device="cuda").to(dt)
+        grouped = graph_us(functools.partial(grouped_moe, x, logits, gate_up, down, s_gate_up, s_down, s_gate))
+        arms = {str(cfg): graph_us(functools.partial(gemv_moe, x, logits, gate_up, down, (s_gate_up, s_down, s_gate),
+                                                     cfg))
+                for cfg in CANDIDATES}
+        best = min(arms, key=arms.get)
+        _, ids = moe_k.route_ref(logits, K, True)
+        distinct = int(ids.unique().numel())
+        floor_us = (distinct * 3 * H * INTER + 3 * H * S_INTER + H) * 2 / bw * 1e6
+        print(f"{t:>6} {grouped:>11.1f} {arms[best]:>15.1f} {best[:34]:>34} {floor_us:>9.1f} "
+              f"{floor_us / arms[best]:>10.3f}")
+        results["moe"].append({"tokens": t, "grouped_us": grouped, "gemv_us": arms, "best": best,
+                               "distinct_experts": distinct, "floor_us": floor_us})
+
+
+def torch_select(index_q, keys_flat, key_rows, positions, ratio, width):
+    """``QSAIndexer._select_group`` for decode rows (one query a segment), as the torch path runs it."""
+    seg_keys = keys_flat[key_rows].float()
+    scores = torch.einsum("nthd,nbd->nthb", index_q[:, None].float(), seg_keys).relu_().sum(dim=2)
+    scores = scores * index_q.shape[-1] ** -0.5
+    return pick_blocks(scores, ((positions + 1) // ratio)[:, None], width)[:, 0]
+
+
+def bench_qsa(tokens_list, contexts, prefill, results):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dt, hi, di, ratio, width = torch.bfloat16, 16, 128, 64, 32
+    print(f"{'QSA T':>6} {'context':>8} {'torch us':>9} {'kernel us':>10}")
+    for ctx in contexts:
+        blocks = ctx // ratio
+        for t in tokens_list:
+            keys = torch.randn(t * blocks + 1, di, generator=g, device="cuda").to(dt)
+            key_rows = torch.randperm(t * blocks, generator=g, device="cuda").view(t, blocks)
+            q = torch.randn(t, hi, di, generator=g, device="cuda").to(dt)
+            pos = torch.full((t,), ctx - 1, device="cuda")
+            seg = torch.arange(t, device="cuda")
+            ref = graph_us(functools.partial(torch_select, q, keys, key_rows, pos, ratio, width))
+            fast = graph_us(functools.partial(qsa_select, q, keys, key_rows, seg, pos, blocks, ratio, width))
+            print(f"{t:>6} {ctx:>8} {ref:>9.1f} {fast:>10.1f}")
+            results["qsa"].append({"tokens": t, "context": ctx, "torch_us": ref, "kernel_us": fast})
+    if prefill:
+        blocks = prefill // ratio
+        keys = torch.randn(blocks, di, generator=g, device="cuda").to(dt)
+        key_rows = torch.arange(blocks, device="cuda")[None]
+        q = torch.randn(prefill, hi, di, generator=g, device="cuda").to(dt)
+        pos = torch.arange(prefill, device="cuda")
+        seg = torch.zeros(prefill, dtype=torch.long, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(2):
+            qsa_select(q, keys, key_rows, seg, pos, blocks, ratio, width)
+        start.record()
+        for _ in range(5):
+            qsa_select(q, keys, key_rows, seg, pos, blocks, ratio, width)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 5
+        print(f"QSA select, one {prefill}-token prompt: {ms:.3f} ms a layer")
+        results["qsa_prefill"] = {"tokens": prefill, "kernel_ms": ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--contexts", default="8192,32768,131072")
+    ap.add_argument("--prefill", type=int, default=32768)
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    bw = bandwidth()
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": []}
+    bench_moe(tokens, bw, results)
+    bench_qsa([t for t in tokens if t in (1, 8, 32)], [int(c) for c in args.contexts.split(",")], args.prefill,
+              results)
+    (out / "bench_decode_kernels.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
