@@ -23,8 +23,10 @@ TRITON_MAX_ASSIGNMENTS = 0
 
 # On CUDA, batches of at most this many tokens run the routed and shared experts as the two GEMV kernels
 # of ``moe_decode_triton`` (each assignment streams its expert's weights once); larger batches take the
-# grouped GEMM. Measured on the H200 at the bench shapes with scripts/bench_moe_decode.py.
-GEMV_MAX_TOKENS = 8
+# grouped GEMM. Measured on the H200 at the bench shapes (scripts/bench_decode_kernels.py,
+# docs/device/2026-11-29e/): the GEMV kernels take 40 / 143 / 457 us at 1 / 8 / 32 tokens against
+# 129 / 288 / 643 us for the grouped path (router and shared expert included).
+GEMV_MAX_TOKENS = 32
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,10 +86,10 @@ class GemvConfig:
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
-# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_moe_decode.py.
+# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py
+# (docs/device/2026-11-29e/): 16 columns and 512-wide reduction tiles won at every size from 1 to 32 tokens.
 CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
-    (2, GemvConfig(16, 256, 4), GemvConfig(8, 512, 4)),
-    (1 << 62, GemvConfig(32, 256, 4), GemvConfig(16, 512, 4)),
+    (1 << 62, GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
 )
 
 

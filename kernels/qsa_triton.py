@@ -6,12 +6,12 @@ Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTE
 its segment's pooled block keys (gathered through ``key_rows``, ``BLOCK_B`` blocks at a time), forms
 ``sum_h relu(q_h . k_b) / sqrt(d)`` with one ``tl.dot`` a tile (fp32 accumulation of exact bf16
 products: the torch path's fp32 einsum up to summation order), writes the scores of its visible
-blocks to a scratch row, then takes the top ``width`` of them by repeated arg-max (ties go to the
-lower block, so equal scores give the same choice every run) and writes ``-1`` past the visible
-count. This replaces the gather of the keys, their fp32 copy, the einsum, ReLU, head sum, mask,
+blocks to a scratch row, reads them back and sorts them (a bitonic ``tl.sort`` of keys that order by
+score, then by lower block, so equal scores give the same choice every run), and writes the first
+``width`` blocks, ``-1`` past the visible count. This replaces the gather of the keys, their fp32 copy, the einsum, ReLU, head sum, mask,
 ``torch.topk`` and the index writes of the torch path: one launch a layer for the whole batch.
 
-The scratch row is ``B_PAD`` wide (the block count's next power of two), and the top-k holds it in
+The scratch row is ``B_PAD`` wide (the block count's next power of two), and the sort holds it in
 registers, so the kernel serves up to :data:`MAX_BLOCKS` blocks; longer contexts take the torch path.
 """
 
@@ -29,7 +29,7 @@ def _select_kernel(q_ptr, keys_ptr, key_rows_ptr, row_seg_ptr, pos_ptr, scores_p
                    n_blocks, n_heads, head_dim, ratio, width, scale,
                    sq_t, sq_h, sk_r, skr_n, ss_t, ssel_t,
                    H_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_B: tl.constexpr, B_PAD: tl.constexpr,
-                   W_PAD: tl.constexpr, IEEE: tl.constexpr):
+                   IEEE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.load(row_seg_ptr + row)
     visible = tl.minimum((tl.load(pos_ptr + row) + 1) // ratio, n_blocks)
@@ -51,15 +51,19 @@ def _select_kernel(q_ptr, keys_ptr, key_rows_ptr, row_seg_ptr, pos_ptr, scores_p
         tl.store(scores_ptr + row * ss_t + b, score, mask=bmask)
     tl.debug_barrier()  # the scores written above are read back below, by other threads of the program
     bb = tl.arange(0, B_PAD)
-    cur = tl.load(scores_ptr + row * ss_t + bb, mask=bb < visible, other=float("-inf"))
-    kk = tl.arange(0, W_PAD)
-    out = tl.full([W_PAD], -1, tl.int32)
-    for k in range(0, width):
-        best = tl.max(cur, 0)
-        at = tl.argmax(cur, 0, tie_break_left=True)
-        out = tl.where(kk == k, tl.where(best == float("-inf"), -1, at.to(tl.int32)), out)
-        cur = tl.where(bb == at, float("-inf"), cur)
-    tl.store(sel_ptr + row * ssel_t + kk, out, mask=kk < width)
+    visible_b = bb < visible
+    score = tl.load(scores_ptr + row * ss_t + bb, mask=visible_b, other=0.0)
+    # Sort keys: the score's bits made order-preserving as signed integers (negative floats flip their
+    # magnitude bits), above the block's index inverted, so a descending sort puts higher scores first
+    # and, among equal scores, lower blocks first. Invisible blocks sort last.
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (bits.to(tl.int64) << 32) | (B_PAD - 1 - bb).to(tl.int64)
+    key = tl.where(visible_b, key, -(1 << 62))
+    key = tl.sort(key, 0, descending=True)
+    block = (B_PAD - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+    block = tl.where(bb < tl.minimum(visible, width), block, -1)
+    tl.store(sel_ptr + row * ssel_t + bb, block, mask=bb < width)
 
 
 def qsa_select(index_q: torch.Tensor, block_keys: torch.Tensor, key_rows: torch.Tensor, row_segment: torch.Tensor,
@@ -84,6 +88,6 @@ def qsa_select(index_q: torch.Tensor, block_keys: torch.Tensor, key_rows: torch.
         n_blocks, heads, dim, ratio, width, dim ** -0.5,
         index_q.stride(0), index_q.stride(1), block_keys.stride(0), key_rows.stride(0), scores.stride(0), sel.stride(0),
         H_PAD=max(16, triton.next_power_of_2(heads)), D_PAD=max(16, triton.next_power_of_2(dim)), BLOCK_B=block_b,
-        B_PAD=b_pad, W_PAD=max(2, triton.next_power_of_2(width)), IEEE=index_q.dtype == torch.float32,
+        B_PAD=b_pad, IEEE=index_q.dtype == torch.float32,
         num_warps=4)
     return sel

@@ -35,12 +35,13 @@ from tidal.kernels.qsa_triton import qsa_select
 
 H, E, K, INTER, S_INTER = 2048, 512, 10, 512, 512
 CANDIDATES = [
-    (GemvConfig(8, 256, 4), GemvConfig(8, 512, 4)),
-    (GemvConfig(16, 256, 4), GemvConfig(8, 512, 4)),
     (GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
-    (GemvConfig(32, 256, 4), GemvConfig(16, 512, 4)),
-    (GemvConfig(32, 256, 8), GemvConfig(32, 256, 8)),
-    (GemvConfig(64, 128, 4), GemvConfig(16, 256, 4)),
+    (GemvConfig(16, 512, 4), GemvConfig(8, 512, 4)),
+    (GemvConfig(16, 1024, 4), GemvConfig(16, 512, 4)),
+    (GemvConfig(8, 512, 4), GemvConfig(16, 512, 4)),
+    (GemvConfig(16, 512, 8), GemvConfig(32, 512, 8)),
+    (GemvConfig(16, 512, 2), GemvConfig(16, 512, 2)),
+    (GemvConfig(32, 512, 4), GemvConfig(16, 512, 4)),
 ]
 
 
@@ -169,7 +170,7 @@ def bench_qsa(tokens_list, contexts, prefill, results):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,48,64")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=32768)
     args = ap.parse_args()

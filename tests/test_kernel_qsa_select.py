@@ -47,12 +47,12 @@ def _reference(q, keys, key_rows, row_segment, positions, n_blocks, ratio, width
     return scores, pick_blocks_ref(scores, visible, width)
 
 
-@pytest.mark.parametrize("width", [1, 4, 9])
+@pytest.mark.parametrize("width", [1, 9])
 @pytest.mark.parametrize("heads,dim", [(3, 24), (16, 32)])
 def test_select_equals_scores_and_topk(width, heads, dim):
     ratio = 4
     # A decode row, a prompt from scratch, a chunk after cached tokens, one row that sees no block.
-    args = _case([1, 70, 33, 1], [150, 0, 41, 2], heads, dim, ratio, True, torch.float32)
+    args = _case([1, 22, 9, 1], [150, 0, 41, 2], heads, dim, ratio, True, torch.float32)
     n_blocks = args[-1]
     sel = qsa_select(*args[:5], n_blocks, ratio, width)
     _, ref = _reference(*args, ratio, width)
