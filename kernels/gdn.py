@@ -12,7 +12,8 @@ Inputs arrive already l2-normalised and expanded to the value-head count.
 
 ``gdn_decode_ref`` is the decode step as the serving path runs it: raw q/k (normalised and expanded
 inside), the recurrent state read from and written back to a slot pool. ``gdn_decode_triton`` holds
-its fused kernel.
+its fused kernel. ``gdn_gates`` forms a layer's log decay and update gate from its projections
+(``gdn_gates_triton`` on the GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +21,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
 from .norm import l2_norm
+
+
+def gdn_gates_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)``: log decay ``-exp(A_log) * softplus(a + dt_bias)`` in fp32 and update gate
+    ``sigmoid(b)`` in b's dtype, from the ``in_proj_a`` / ``in_proj_b`` outputs ``[T, Hv]``."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gdn_gates_ref`; one Triton launch on the GPU."""
+    if use_triton(a):
+        from .gdn_gates_triton import gdn_gates as triton_gates
+
+        return triton_gates(a, b, a_log, dt_bias)
+    return gdn_gates_ref(a, b, a_log, dt_bias)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -33,6 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
+# warp they need no shared memory. Measured at 512 experts with scripts/bench_decode_kernels.py.
+ROUTE_WARPS = 1
+
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
@@ -49,8 +53,7 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
     vals = tl.zeros([K_PAD], tl.float32)
     idx = tl.zeros([K_PAD], tl.int64)
     for k in tl.static_range(TOP_K):
-        best = tl.max(cur, 0)
-        at = tl.argmax(cur, 0, tie_break_left=True)
+        best, at = tl.max(cur, 0, return_indices=True, return_indices_tie_break_left=True)
         vals = tl.where(kk == k, best, vals)
         idx = tl.where(kk == k, at.to(tl.int64), idx)
         cur = tl.where(e == at, -1.0, cur)
@@ -61,7 +64,8 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
     tl.store(ids_ptr + t * TOP_K + kk, idx, mask=out)
 
 
-def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 num_warps: int = ROUTE_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`tidal.kernels.moe.route`: ``(weights [T, K] in the logits' dtype,
     expert ids [T, K] int64)``; one launch."""
     tokens, experts = router_logits.shape
@@ -72,24 +76,27 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         block = triton.next_power_of_2(experts)
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORM=renormalize,
-                                 num_warps=4 if block >= 512 else 1)
+                                 num_warps=num_warps)
     return weights, ids
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` output columns a program; ``block_k`` the reduction tile."""
+    """``block_n`` output columns a program; ``block_k`` the reduction tile; ``unroll``: the down
+    kernel's loop over a token's experts unrolled (their loads independent of one another)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    unroll: bool = False
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
 # shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py
-# (docs/device/2026-11-29e/): 16 columns and 512-wide reduction tiles won at every size from 1 to 32 tokens.
+# (docs/device/2026-11-29e/call2/): 8 / 16 columns and 512-wide reduction tiles won at every size from 1 to 64
+# tokens.
 CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
-    (1 << 62, GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
+    (1 << 62, GemvConfig(8, 512, 4), GemvConfig(16, 512, 4)),
 )
 
 
@@ -138,43 +145,51 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
 
 
 @triton.jit
+def _rows_dot(rows, a_row, n_red, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``sum_i rows[n, i] * a_row[i]`` for the ``BLOCK_N`` rows at ``rows`` (row length ``n_red``), fp32."""
+    ks = tl.arange(0, BLOCK_K)
+    part = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, n_red, BLOCK_K):
+        kmask = k0 + ks < n_red
+        av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part += tl.sum(d * av[None, :], 1)
+    return part
+
+
+@triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr, out_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e, so_t,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 UNROLL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
+    col_off = cols.to(tl.int64)[:, None]
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(TOP_K):
-        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
-        rows = down_ptr + expert * sd_e + cols.to(tl.int64)[:, None] * inter
-        a_row = act_ptr + (t * per_token + k) * act_width
-        part = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            kmask = k0 + ks < inter
-            av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-            d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(d * av[None, :], 1)
-        acc += weight * part
+    if UNROLL:
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
+            weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+            acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
+                                      act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
+    else:
+        for k in range(TOP_K):
+            expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
+            weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+            acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
+                                      act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
     if SHARED:
+        ks = tl.arange(0, BLOCK_K)
         gate = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             kmask = k0 + ks < hidden
             xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
             gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        gate_s = tl.sum(gate, 0)
-        rows = sdown_ptr + cols.to(tl.int64)[:, None] * s_inter
-        a_row = act_ptr + (t * per_token + TOP_K) * act_width
-        part = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, s_inter, BLOCK_K):
-            kmask = k0 + ks < s_inter
-            av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-            d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(d * av[None, :], 1)
-        acc += part / (1.0 + tl.exp(-gate_s))
+        part = _rows_dot(sdown_ptr + col_off * s_inter, act_ptr + (t * per_token + TOP_K) * act_width, s_inter,
+                         cmask, BLOCK_N, BLOCK_K)
+        acc += part / (1.0 + tl.exp(-tl.sum(gate, 0)))
     tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
@@ -219,5 +234,6 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         x, act, ids, weights.contiguous(), down, s_down, s_gate, out, hidden, inter, s_inter, width,
         x.stride(0), down.stride(0), out.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
-        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))), num_warps=cfg_b.num_warps)
+        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))), UNROLL=cfg_b.unroll,
+        num_warps=cfg_b.num_warps)
     return out

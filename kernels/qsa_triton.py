@@ -8,8 +8,9 @@ its segment's pooled block keys (gathered through ``key_rows``, ``BLOCK_B`` bloc
 products: the torch path's fp32 einsum up to summation order), writes the scores of its visible
 blocks to a scratch row, reads them back and sorts them (a bitonic ``tl.sort`` of keys that order by
 score, then by lower block, so equal scores give the same choice every run), and writes the first
-``width`` blocks, ``-1`` past the visible count. This replaces the gather of the keys, their fp32 copy, the einsum, ReLU, head sum, mask,
-``torch.topk`` and the index writes of the torch path: one launch a layer for the whole batch.
+``width`` blocks, ``-1`` past the visible count. This replaces the gather of the keys, their fp32 copy,
+the einsum, ReLU, head sum, mask, ``torch.topk`` and the index writes of the torch path: one launch a
+layer for the whole batch.
 
 The scratch row is ``B_PAD`` wide (the block count's next power of two), and the sort holds it in
 registers, so the kernel serves up to :data:`MAX_BLOCKS` blocks; longer contexts take the torch path.

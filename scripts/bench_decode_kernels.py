@@ -14,6 +14,8 @@ QSA block choice (16 index heads of 128, blocks of 64, top-32): T decode rows at
 path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, masked top-k) against
 ``qsa_select``; and one 32K-token prompt's rows (``--prefill``).
 
+Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
+
 Prints a table and writes ``DIR/bench_decode_kernels.json``.
 """
 
@@ -35,13 +37,11 @@ from tidal.kernels.qsa_triton import qsa_select
 
 H, E, K, INTER, S_INTER = 2048, 512, 10, 512, 512
 CANDIDATES = [
-    (GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
-    (GemvConfig(16, 512, 4), GemvConfig(8, 512, 4)),
-    (GemvConfig(16, 1024, 4), GemvConfig(16, 512, 4)),
     (GemvConfig(8, 512, 4), GemvConfig(16, 512, 4)),
-    (GemvConfig(16, 512, 8), GemvConfig(32, 512, 8)),
-    (GemvConfig(16, 512, 2), GemvConfig(16, 512, 2)),
-    (GemvConfig(32, 512, 4), GemvConfig(16, 512, 4)),
+    (GemvConfig(8, 512, 4), GemvConfig(16, 512, 4, unroll=True)),
+    (GemvConfig(8, 512, 4), GemvConfig(8, 512, 4, unroll=True)),
+    (GemvConfig(8, 512, 4), GemvConfig(32, 512, 8, unroll=True)),
+    (GemvConfig(8, 256, 4), GemvConfig(16, 512, 4, unroll=True)),
 ]
 
 
@@ -123,6 +123,19 @@ def bench_moe(tokens_list, bw, results):
                                "distinct_experts": distinct, "floor_us": floor_us})
 
 
+def bench_route(results):
+    """The router's softmax top-k alone: torch (softmax, topk, renormalise) against the kernel at 1, 2
+    and 4 warps, for a decode token, a batch of 32 and a 32K-token prompt."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    print(f"{'route T':>8} {'torch us':>9} {'1 warp':>8} {'2 warps':>8} {'4 warps':>8}")
+    for t in (1, 32, 32768):
+        logits = torch.randn(t, E, generator=g, device="cuda").to(torch.bfloat16)
+        ref = graph_us(functools.partial(moe_k.route_ref, logits, K, True), replays=50)
+        warps = {w: graph_us(functools.partial(route_triton, logits, K, True, w), replays=50) for w in (1, 2, 4)}
+        print(f"{t:>8} {ref:>9.1f} {warps[1]:>8.1f} {warps[2]:>8.1f} {warps[4]:>8.1f}")
+        results["route"].append({"tokens": t, "torch_us": ref, "kernel_us_by_warps": warps})
+
+
 def torch_select(index_q, keys_flat, key_rows, positions, ratio, width):
     """``QSAIndexer._select_group`` for decode rows (one query a segment), as the torch path runs it."""
     seg_keys = keys_flat[key_rows].float()
@@ -179,7 +192,8 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": []}
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": []}
+    bench_route(results)
     bench_moe(tokens, bw, results)
     bench_qsa([t for t in tokens if t in (1, 8, 32)], [int(c) for c in args.contexts.split(",")], args.prefill,
               results)

@@ -273,3 +273,20 @@ def test_gpu_gdn_decode_model_shapes(dtype):
         torch.testing.assert_close(out, ref, **out_tol)
         torch.testing.assert_close(pool_ker, pool_ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(pool_ker[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("rows,heads", [(1, 32), (70, 6)])
+def test_gdn_gates_kernel_equals_torch(rows, heads):
+    from tidal.kernels.gdn import gdn_gates_ref
+    from tidal.kernels.gdn_gates_triton import gdn_gates
+
+    g = torch.Generator().manual_seed(rows)
+    proj = torch.randn(rows, 2 * heads + 3, generator=g) * 8  # a and b as column slices of one output
+    proj[0, 0] = 30.0  # past softplus' threshold
+    a, b = proj[:, :heads].to(DEV), proj[:, heads + 3:].to(DEV)
+    a_log, dt_bias = torch.randn(heads, generator=g).to(DEV), torch.randn(heads, generator=g).to(DEV)
+    decay, beta = gdn_gates(a, b, a_log, dt_bias)
+    ref_decay, ref_beta = gdn_gates_ref(a, b, a_log, dt_bias)
+    assert decay.dtype == torch.float32 and beta.dtype == b.dtype
+    torch.testing.assert_close(decay, ref_decay, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(beta, ref_beta, rtol=1e-5, atol=1e-6)

@@ -216,17 +216,42 @@ def test_triton_chain_matches_original(tri, monkeypatch, rows, hc, hidden, lowra
 def test_down_inject_weight_follows_the_parameters(monkeypatch):
     _force(monkeypatch, triton=True)
     m = _hc_module(3, 48, 20, seed=0)
-    first = m._down_inject_weight()
-    assert m._down_inject_weight() is first
+    first = m._down_inject.get()
+    assert m._down_inject.get() is first
     assert first.shape[0] == 24 and not first[23:].any()  # 20 + 3 rows, zero-padded to a multiple of 8
     torch.testing.assert_close(first[:23], torch.cat([m.input_mix_weight_down.weight, m.block_inject_weight.weight]))
     with torch.no_grad():
         m.block_inject_weight.weight.mul_(2)  # an in-place load
-    second = m._down_inject_weight()
+    second = m._down_inject.get()
     assert second is not first and torch.equal(second[20:23], m.block_inject_weight.weight)
     m.to(torch.float64)
-    assert m._down_inject_weight().dtype == torch.float64
+    assert m._down_inject.get().dtype == torch.float64
     assert "_down_inject" not in "".join(m.state_dict())
+    down, logits = m._down_inject.split(torch.arange(24.0).expand(2, 24))
+    assert down.shape == (2, 20) and logits.tolist() == [[20.0, 21.0, 22.0]] * 2
+
+
+def test_stacked_projections_equal_the_separate_ones():
+    """GDN's four input projections and attention's q/k/v/index projections as one GEMM (the GPU
+    path) equal the checkpoint's separate projections."""
+    from tidal.config import ModelConfig
+    from tidal.executor.layers.attention import GatedAttention
+    from tidal.executor.layers.gdn import GatedDeltaNet
+    from tidal.executor.layers.rotary import Rotary
+    from tidal.executor.presets import preset_config
+
+    c = ModelConfig.from_dict(preset_config("tiny"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, c.hidden_size, generator=g)
+    layers = [GatedDeltaNet(c, 0), GatedAttention(c, 2, Rotary(c.rotary_dim, c.rope_theta))]
+    for layer in layers:
+        for p in layer.parameters():
+            p.data = torch.randn(p.shape, generator=g)
+        stack = layer._in_proj
+        parts = stack.split(torch.nn.functional.linear(x, stack.get()))
+        assert len(parts) == len(stack.linears) and stack.get().shape[0] % 8 == 0
+        for part, lin in zip(parts, stack.linears, strict=True):
+            torch.testing.assert_close(part, lin(x), rtol=1e-5, atol=1e-5)
 
 
 def test_use_triton_needs_cuda():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
@@ -12,7 +13,7 @@ from ...kernels.qsa import pick_blocks
 from ..distributed import split
 from ..distributed.shard import kv_heads
 from ..forward_batch import ForwardBatch
-from .linear import Linear, RMSNorm
+from .linear import Linear, RMSNorm, StackedWeight
 from .rotary import Rotary
 
 # The Triton block choice (``kernels/qsa_triton.py``) holds a query's block scores in registers for its
@@ -32,9 +33,12 @@ class QSAIndexer(nn.Module):
         self.q_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_layernorm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(index queries [T, Hi, d] normalised and rotated, raw index keys [T, d])``."""
-        qk = self.index_qk_proj(x)
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                qk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index queries [T, Hi, d] normalised and rotated, raw index keys [T, d])``; ``qk`` is
+        ``index_qk_proj(x)`` when the caller computed it already."""
+        if qk is None:
+            qk = self.index_qk_proj(x)
         q, raw_k = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = Rotary.apply(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
         return q, raw_k
@@ -106,22 +110,30 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.indexer = QSAIndexer(c) if c.has_qsa else None
+        self._in_proj = StackedWeight(self.q_proj, self.k_proj, self.v_proj,
+                                      *([self.indexer.index_qk_proj] if self.indexer else []))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         kv, layer = batch.kv, self.layer_idx
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        index_qk = None
+        if use_triton(x) and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
+            q_gate, k, v, *rest = self._in_proj.split(F.linear(x, self._in_proj.get()))
+            index_qk = rest[0] if rest else None
+        else:
+            q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(tokens, -1)
         q = Rotary.apply(self.q_norm(q), cos, sin)
-        k = Rotary.apply(self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k = Rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         rows = batch.kv_write_rows
         kv.flat(kv.k, layer)[rows] = k
         kv.flat(kv.v, layer)[rows] = v
         block_sel = None
         if self.indexer is not None:
-            index_q, raw_index_k = self.indexer.project(x, cos, sin)
+            index_q, raw_index_k = self.indexer.project(x, cos, sin, index_qk)
             kv.flat(kv.index_k, layer)[rows] = raw_index_k
             self.indexer.write_block_keys(layer, batch, self.rotary)
             block_sel = self.indexer.select(layer, index_q, batch)

@@ -7,12 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
+from ...kernels.backend import use_triton
 from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
+from ...kernels.gdn import gdn_gates
 from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
 from ...kernels.norm import gated_rms_norm
 from ..distributed import split
 from ..forward_batch import ForwardBatch
-from .linear import Linear
+from .linear import Linear, StackedWeight
 
 
 class GatedDeltaNet(nn.Module):
@@ -41,6 +43,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(self.head_v_dim), requires_grad=False)
         self.out_proj = Linear(self.value_dim, c.hidden_size)
+        self._in_proj = StackedWeight(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _split_heads(self, conv_out: torch.Tensor):
         """Raw q, k ``[rows, Hk, dk]`` and v ``[rows, Hv, dv]`` (the kernels l2-normalise q and k)."""
@@ -50,10 +53,11 @@ class GatedDeltaNet(nn.Module):
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if use_triton(x):  # the four input projections as one GEMM
+            qkv, z, b, a = self._in_proj.split(F.linear(x, self._in_proj.get()))
+        else:
+            qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         conv_slots = batch.states.gdn_conv[self.layer_idx]
         rec_slots = batch.states.gdn_state[self.layer_idx]

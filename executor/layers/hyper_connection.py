@@ -9,15 +9,7 @@ from torch import nn
 from ...kernels.backend import use_triton
 from ...kernels.hyper_connection import hc_block_input, hc_residual_norm
 from ..distributed import split, tp
-from .linear import Linear, RMSNorm
-
-
-def _version(t: torch.Tensor) -> int:
-    """In-place write counter of ``t`` (-1 for inference tensors, which keep none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
+from .linear import Linear, RMSNorm, StackedWeight
 
 
 class GatedResidual(nn.Module):
@@ -55,9 +47,8 @@ class GatedResidual(nn.Module):
         self._full_down: torch.Tensor | None = None
         self.input_mix_weight_up = Linear(lowrank, width)
         self.block_inject_weight = Linear(width, hc_count) if use_combine else None
-        # [down; inject] weight for one GEMM over `normed` on the GPU, and what it was built from.
-        self._down_inject: torch.Tensor | None = None
-        self._down_inject_key: tuple | None = None
+        # [down; inject] weight for one GEMM over `normed` on the GPU.
+        self._down_inject = StackedWeight(self.input_mix_weight_down, self.block_inject_weight) if use_combine else None
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         block_input, logits = self.mix(self.norm(streams))
@@ -87,8 +78,7 @@ class GatedResidual(nn.Module):
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
         elif self.block_inject_weight is not None and use_triton(normed):
-            both = F.linear(normed, self._down_inject_weight())
-            down, logits = both[..., :self.lowrank], both[..., self.lowrank:self.lowrank + hc]
+            down, logits = self._down_inject.split(F.linear(normed, self._down_inject.get()))
         else:
             down = self.input_mix_weight_down(normed)
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
@@ -111,21 +101,3 @@ class GatedResidual(nn.Module):
     def residual(streams: torch.Tensor, block_out: torch.Tensor, inject: torch.Tensor) -> torch.Tensor:
         """``H + inject ⊗ block_out``."""
         return streams + (block_out.unsqueeze(-2) * inject.unsqueeze(-1)).flatten(-2)
-
-    def _down_inject_weight(self) -> torch.Tensor:
-        """``cat([W_down, W_inject, 0])``, rebuilt when either parameter moves, is replaced or is written in place.
-
-        A plain attribute, not a buffer: it stays out of ``state_dict`` and is not moved by ``.to()``;
-        the key (device, dtype, storage, write counter) notices instead. Build it outside CUDA-graph
-        capture (a warm-up forward does), or its memory would come from the graph's pool.
-        """
-        down, inject = self.input_mix_weight_down.weight, self.block_inject_weight.weight
-        key = (down.device, down.dtype, inject.dtype, down.data_ptr(), inject.data_ptr(),
-               _version(down), _version(inject))
-        if self._down_inject is None or self._down_inject_key != key:
-            # Zero rows up to a multiple of 8 keep the GEMM output's row stride 16-byte aligned in
-            # bf16 (320 + 4 = 324 rows would not be), which cuBLAS' fast kernels want.
-            pad = -(self.lowrank + self.hc_count) % 8
-            self._down_inject = torch.cat([down, inject.to(down.dtype), down.new_zeros(pad, down.shape[1])])
-            self._down_inject_key = key
-        return self._down_inject

@@ -21,6 +21,46 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def _version(t: torch.Tensor) -> int:
+    """In-place write counter of ``t`` (-1 for inference tensors, which keep none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
+class StackedWeight:
+    """The weights of several projections of one input stacked into one ``[sum N, K]`` matrix, so the
+    GPU runs one GEMM where the checkpoint has several (the input read once, one launch).
+
+    ``get()`` rebuilds the stack when a source weight moves, is replaced or is written in place (the
+    key: device, dtype, storage, write counter), so loading and ``.to()`` need no hook. Zero rows pad
+    it to a multiple of 8 rows: the GEMM output's row stride stays 16-byte aligned in bf16, which
+    cuBLAS' fast kernels want. A plain attribute, not a buffer (it stays out of ``state_dict``). Build
+    it outside CUDA-graph capture (a warm-up forward does), or its memory would come from the graph's
+    pool. ``split(y)`` cuts a stacked output back into the projections' column views.
+    """
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        self._stack: torch.Tensor | None = None
+        self._key: tuple | None = None
+
+    def get(self) -> torch.Tensor:
+        weights = [lin.weight for lin in self.linears]
+        key = tuple((w.device, w.dtype, w.data_ptr(), _version(w)) for w in weights)
+        if self._stack is None or self._key != key:
+            first = weights[0]
+            pad = -sum(self.sizes) % 8
+            self._stack = torch.cat([w.to(first.dtype) for w in weights] + [first.new_zeros(pad, first.shape[1])])
+            self._key = key
+        return self._stack
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return list(y[..., :sum(self.sizes)].split(self.sizes, dim=-1))
+
+
 class RMSNorm(nn.Module):
     """Qwen4-Exp RMSNorm: scale ``1 + weight``, optional groups of ``group_size`` features."""
 
