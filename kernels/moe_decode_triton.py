@@ -82,13 +82,11 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` output columns a program; ``block_k`` the reduction tile; ``unroll``: the down
-    kernel's loop over a token's experts unrolled (their loads independent of one another)."""
+    """``block_n`` output columns a program; ``block_k`` the reduction tile."""
 
     block_n: int
     block_k: int
     num_warps: int
-    unroll: bool = False
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
@@ -160,26 +158,18 @@ def _rows_dot(rows, a_row, n_red, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 @triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr, out_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e, so_t,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 UNROLL: tl.constexpr):
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     col_off = cols.to(tl.int64)[:, None]
     acc = tl.zeros([BLOCK_N], tl.float32)
-    if UNROLL:
-        for k in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-            weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
-            acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
-                                      act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
-    else:
-        for k in range(TOP_K):
-            expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-            weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
-            acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
-                                      act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
+    for k in range(TOP_K):
+        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
+        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+        acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
+                                  act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
     if SHARED:
         ks = tl.arange(0, BLOCK_K)
         gate = tl.zeros([BLOCK_K], tl.float32)
@@ -234,6 +224,6 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         x, act, ids, weights.contiguous(), down, s_down, s_gate, out, hidden, inter, s_inter, width,
         x.stride(0), down.stride(0), out.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
-        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))), UNROLL=cfg_b.unroll,
+        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps)
     return out
