@@ -1,7 +1,7 @@
 """Decode-size kernels against the torch paths they replace, on one GPU, each replayed from a CUDA graph
 (as decode runs them).
 
-    python scripts/bench_decode_kernels.py --out DIR [--parts dense,route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
+    python scripts/bench_decode_kernels.py --out DIR [--parts route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
         [--contexts 8192,32768,131072] [--prefill 32768]
 
 MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
@@ -14,9 +14,6 @@ device copy measured in the same run.
 QSA block choice (16 index heads of 128, blocks of 64, top-32): T decode rows at each context, the torch
 path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, masked top-k) against
 ``qsa_select``; and one 32K-token prompt's rows (``--prefill``).
-
-Dense projections at 1 and 4 rows: cuBLAS (``F.linear``) against ``gemv_triton.gemv`` in several tile
-configs, for each of the bench model's decode projection shapes.
 
 Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
 
@@ -34,7 +31,6 @@ import torch
 import torch.nn.functional as F
 
 from tidal.kernels import moe as moe_k
-from tidal.kernels.gemv_triton import gemv
 from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
@@ -139,30 +135,6 @@ def bench_route(results):
         results["route"].append({"tokens": t, "torch_us": ref, "kernel_us_by_warps": warps})
 
 
-# The bench model's dense projections at decode: (name, N, K).
-DENSE_SHAPES = [("hc down+inject", 328, 8192), ("hc up", 8192, 320), ("gdn in (stacked)", 12352, 2048),
-                ("gdn out", 2048, 4096), ("attn in (stacked)", 11392, 2048), ("router", 512, 2048),
-                ("lm_head", 151936, 2048)]
-GEMV_CONFIGS = [(2, 512, 4), (4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (4, 1024, 8)]
-
-
-def bench_dense(bw, results):
-    """cuBLAS (``F.linear``) against the Triton GEMV at 1 and 4 rows for each dense projection shape."""
-    g = torch.Generator(device="cuda").manual_seed(3)
-    print(f"{'dense':>18} {'M':>2} {'cuBLAS us':>10} {'gemv us (best)':>15} {'config':>14} {'floor us':>9}")
-    for name, n, k in DENSE_SHAPES:
-        w = (torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        for m in (1, 4):
-            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-            ref = graph_us(functools.partial(F.linear, x, w), replays=100)
-            arms = {cfg: graph_us(functools.partial(gemv, x, w, *cfg), replays=100) for cfg in GEMV_CONFIGS}
-            best = min(arms, key=arms.get)
-            floor_us = n * k * 2 / bw * 1e6
-            print(f"{name:>18} {m:>2} {ref:>10.1f} {arms[best]:>15.1f} {str(best):>14} {floor_us:>9.1f}")
-            results["dense"].append({"name": name, "n": n, "k": k, "rows": m, "cublas_us": ref,
-                                     "gemv_us": {str(c): v for c, v in arms.items()}, "floor_us": floor_us})
-
-
 def torch_select(index_q, keys_flat, key_rows, positions, ratio, width):
     """``QSAIndexer._select_group`` for decode rows (one query a segment), as the torch path runs it."""
     seg_keys = keys_flat[key_rows].float()
@@ -213,17 +185,15 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,2,4,8,16,32,48,64")
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=32768)
-    ap.add_argument("--parts", default="dense,route,moe,qsa")
+    ap.add_argument("--parts", default="route,moe,qsa")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = bandwidth()
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "dense": []}
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": []}
     parts = args.parts.split(",")
-    if "dense" in parts:
-        bench_dense(bw, results)
     if "route" in parts:
         bench_route(results)
     if "moe" in parts:
