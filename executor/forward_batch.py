@@ -139,6 +139,9 @@ class ForwardBatch:
     export_dst: torch.Tensor  # long [M]
     waves: list[Wave]
     qsa: QSABlocks | None = None
+    # Rotary cos and sin of ``positions`` in the model's dtype, set by the model's forward for all its
+    # attention layers (a layer run on its own computes them).
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -111,3 +111,52 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         x2, g2, weight.contiguous(), out, n, width, x2.stride(0), g2.stride(0), width, float(eps),
         SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _rms_norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, dim, rot, eps,
+                            sx_t, sx_h, sc_t, so_t, so_h,
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < dim
+    mask = (h < heads)[:, None] & dmask[None, :]
+    dt = out_ptr.dtype.element_ty
+    half = rot // 2
+    # Rotated features pair j with j +- half (rotate_half); the rest pass through.
+    in_rot = d < rot
+    partner = tl.where(d < half, d + half, d - half)
+    base = x_ptr + t * sx_t + h[:, None] * sx_h
+    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask & in_rot[None, :], other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
+    # The references' roundings: the norm's output, then each product and the sum, in x's dtype.
+    y = (x * inv * (1.0 + w[None, :])).to(dt).to(tl.float32)
+    yp = (xp * inv * (1.0 + wp[None, :])).to(dt).to(tl.float32)
+    yp = tl.where((d < half)[None, :], -yp, yp)
+    c = tl.load(cos_ptr + t * sc_t + d, mask=in_rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * sc_t + d, mask=in_rot, other=0.0).to(tl.float32)
+    rotated = ((y * c[None, :]).to(dt).to(tl.float32) + (yp * s[None, :]).to(dt).to(tl.float32))
+    out = tl.where(in_rot[None, :], rotated, y)
+    tl.store(out_ptr + t * so_t + h[:, None] * so_h + d[None, :], out.to(dt), mask=mask)
+
+
+def rms_norm_rotary_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                           sin: torch.Tensor) -> torch.Tensor:
+    """``Rotary.apply(rms_norm_ref(x, weight, eps), cos, sin)`` in one pass: a per-head RMS norm of
+    ``x [T, heads, d]`` (unit stride along d), then rotary over its first ``cos.shape[-1]`` features
+    with per-row ``cos, sin [T, rotary_dim]``. Contiguous output in x's dtype."""
+    tokens, heads, dim = x.shape
+    rot = cos.shape[-1]
+    assert x.stride(2) == 1 and rot % 2 == 0 and rot <= dim and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(dim)
+        _rms_norm_rotary_kernel[(tokens,)](
+            x, weight.contiguous(), cos, sin, out, tokens, heads, dim, rot, float(eps),
+            x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=min(16, max(1, block_h * block_d // 512)))
+    return out

@@ -135,6 +135,31 @@ def test_rms_norm_kernel_matches_reference(tri, rows, width, group):
                                rtol=1e-5, atol=1e-5)
 
 
+def _norm_rotary_case(rows, heads, dim, rot, dtype, device):
+    """Per-head q-like rows as a strided view (the gate half of each head interleaved, as q_proj lays
+    them out), a norm weight, and cos/sin of scattered positions."""
+    from tidal.executor.layers.rotary import Rotary
+
+    g = torch.Generator().manual_seed(rows + heads + dim)
+    both = torch.randn(rows, heads, 2 * dim, generator=g) * 3
+    x = both.to(device, dtype)[..., :dim]
+    w = (0.2 * torch.randn(dim, generator=g)).to(device, dtype)
+    positions = torch.randint(0, 40000, (rows,), generator=g).to(device)
+    cos, sin = Rotary(rot, 10000.0).cos_sin(positions, dtype)
+    return x, w, cos, sin
+
+
+@pytest.mark.parametrize("rows,heads,dim,rot", [(1, 4, 32, 16), (5, 3, 48, 48), (7, 1, 64, 8)])
+def test_rms_norm_rotary_kernel_matches_reference(tri, rows, heads, dim, rot):
+    from tidal.executor.layers.rotary import Rotary
+
+    x, w, cos, sin = _norm_rotary_case(rows, heads, dim, rot, torch.float32, DEV)
+    ref = Rotary.apply(norm_ops.rms_norm_ref(x, w, EPS), cos, sin)
+    got = tri[0].rms_norm_rotary_triton(x, w, EPS, cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows,width", [(1, 64), (37, 128), (3, 100)])
 @pytest.mark.parametrize("activation", ["silu", "sigmoid"])
 def test_gated_rms_norm_kernel_matches_reference(tri, rows, width, activation):
@@ -295,6 +320,12 @@ def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
     x, gate = torch.randn(2, T * 4, 128, device="cuda", dtype=dtype).unbind(0)
     for gw in (torch.randn(128, device="cuda"), torch.randn(128, device="cuda", dtype=dtype)):
         _assert_near(norm_ops.gated_rms_norm(x, gate, gw, EPS), norm_ops.gated_rms_norm_ref(x, gate, gw, EPS), dtype)
+    from tidal.executor.layers.rotary import Rotary
+
+    for heads, dim, rot in ((16, 256, 64), (16, 128, 64), (2, 256, 64)):  # the bench model's q, index q, k
+        xq, wq, cos, sin = _norm_rotary_case(T, heads, dim, rot, dtype, "cuda")
+        _assert_near(tri[0].rms_norm_rotary_triton(xq, wq, EPS, cos, sin),
+                     Rotary.apply(norm_ops.rms_norm_ref(xq, wq, EPS), cos, sin), dtype)
     up = (3 * torch.randn(T, width, device="cuda")).to(dtype)
     _assert_near(hc_ops.hc_block_input(streams, up, HC), hc_ops.hc_block_input_ref(streams, up, HC), dtype)
     block_out = torch.randn(T, HIDDEN, device="cuda", dtype=dtype)

@@ -40,7 +40,7 @@ class QSAIndexer(nn.Module):
         if qk is None:
             qk = self.index_qk_proj(x)
         q, raw_k = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
-        q = Rotary.apply(self.q_layernorm(q.reshape(-1, self.n_heads, self.head_dim)), cos, sin)
+        q = Rotary.norm_apply(self.q_layernorm, q.reshape(-1, self.n_heads, self.head_dim), cos, sin)
         return q, raw_k
 
     def write_block_keys(self, layer: int, batch: ForwardBatch, rotary: Rotary) -> None:
@@ -50,9 +50,10 @@ class QSAIndexer(nn.Module):
         if not qsa.new_pos.numel():
             return
         raw = kv.flat(kv.index_k, layer)[qsa.new_rows]  # [Mb, ratio, d]
-        pooled = self.k_layernorm(raw.float().mean(dim=1).to(raw.dtype))
+        pooled = raw.float().mean(dim=1).to(raw.dtype)
         cos, sin = rotary.cos_sin(qsa.new_pos, pooled.dtype)
-        kv.flat(kv.index_block_k, layer)[qsa.new_rows[:, -1]] = Rotary.apply(pooled, cos, sin)
+        kv.flat(kv.index_block_k, layer)[qsa.new_rows[:, -1]] = Rotary.norm_apply(
+            self.k_layernorm, pooled[:, None], cos, sin)[:, 0]
 
     def select(self, layer: int, index_q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``block_sel [T, K']``: per query row, its top-``block_topk`` visible complete blocks by
@@ -116,7 +117,7 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         kv, layer = batch.kv, self.layer_idx
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = batch.rope if batch.rope is not None else self.rotary.cos_sin(batch.positions, x.dtype)
         index_qk = None
         if use_triton(x) and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
             q_gate, k, v, *rest = self._in_proj.split(F.linear(x, self._in_proj.get()))
@@ -125,8 +126,8 @@ class GatedAttention(nn.Module):
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         gate = gate.reshape(tokens, -1)
-        q = Rotary.apply(self.q_norm(q), cos, sin)
-        k = Rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = Rotary.norm_apply(self.q_norm, q, cos, sin)
+        k = Rotary.norm_apply(self.k_norm, k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         rows = batch.kv_write_rows
         kv.flat(kv.k, layer)[rows] = k

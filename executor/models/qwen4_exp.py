@@ -105,6 +105,8 @@ class Qwen4ExpModel(nn.Module):
         gathered back in token order.
         """
         streams = self.embed(batch.input_ids)
+        if self.config.attention_layers:
+            batch.rope = self.rotary.cos_sin(batch.positions, streams.dtype)
         pending = None
         own = None
         group = tp()
