@@ -4,6 +4,7 @@ With streams ``H [T, hc * hidden]`` and ``normed = rms_norm(H, w, eps, group_siz
 ``GatedResidual`` runs two GEMMs (``down | inject`` on ``normed``, then ``up``) around two
 element-wise stages, which are the ones here:
 
+* :func:`hc_gate_act`: ``silu(down_out / hc)``, the low-rank activation between the two GEMMs;
 * :func:`hc_block_input`: ``mean_s(sigmoid(up_out_s) * normed_s)`` -> the block input ``[T, hidden]``;
 * :func:`hc_residual_norm`: ``H + 2 * sigmoid(inject_logits_s / hc) * block_out`` for every stream
   ``s``, then the grouped RMS norm of the result (the next ``GatedResidual``'s norm), so that the
@@ -16,9 +17,24 @@ Triton kernels in ``hyper_connection_triton`` reproduce them.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .backend import use_triton
 from .norm import rms_norm_ref
+
+
+def hc_gate_act_ref(down_out: torch.Tensor, hc: int) -> torch.Tensor:
+    """``silu(down_out / hc)``, each op rounding to the input dtype."""
+    return F.silu(down_out / hc)
+
+
+def hc_gate_act(down_out: torch.Tensor, hc: int) -> torch.Tensor:
+    """:func:`hc_gate_act_ref`, by one Triton pass for CUDA tensors."""
+    if use_triton(down_out):
+        from .hyper_connection_triton import hc_gate_act_triton
+
+        return hc_gate_act_triton(down_out, hc)
+    return hc_gate_act_ref(down_out, hc)
 
 
 def hc_block_input_ref(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -> torch.Tensor:

@@ -124,3 +124,29 @@ def hc_block_input_triton(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -
         n2, u2, out, hidden, n2.stride(0), u2.stride(0), hidden,
         HC=hc, BLOCK=block, num_warps=_num_warps(block))
     return out
+
+
+@triton.jit
+def _hc_gate_act_kernel(x_ptr, out_ptr, rows, width, stride_x, stride_o, hc,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    m = (r < rows)[:, None] & (c < width)[None, :]
+    r64 = r.to(tl.int64)[:, None]
+    dt = out_ptr.dtype.element_ty
+    x = (tl.load(x_ptr + r64 * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32) / hc).to(dt).to(tl.float32)
+    tl.store(out_ptr + r64 * stride_o + c[None, :], (x / (1.0 + tl.exp(-x))).to(dt), mask=m)
+
+
+def hc_gate_act_triton(down_out: torch.Tensor, hc: int) -> torch.Tensor:
+    """:func:`~tidal.kernels.hyper_connection.hc_gate_act_ref` in one pass over ``[T, lowrank]`` (any row
+    stride, unit column stride), with the reference's rounding after the division."""
+    rows, width = down_out.shape
+    x = down_out if down_out.stride(1) == 1 else down_out.contiguous()
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    if rows:
+        block_c = triton.next_power_of_2(width)
+        block_r = max(1, min(64, 4096 // block_c))
+        _hc_gate_act_kernel[(triton.cdiv(rows, block_r),)](x, out, rows, width, x.stride(0), out.stride(0), float(hc),
+                                                          BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out

@@ -135,6 +135,12 @@ def test_rms_norm_kernel_matches_reference(tri, rows, width, group):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,width,hc", [(1, 20, 4), (37, 24, 3)])
+def test_hc_gate_act_kernel_matches_reference(tri, rows, width, hc):
+    x = (torch.randn(rows, width + 5, device=DEV) * 6)[:, 2:2 + width]  # a column slice, as the GEMM leaves it
+    torch.testing.assert_close(tri[1].hc_gate_act_triton(x, hc), hc_ops.hc_gate_act_ref(x, hc), rtol=1e-5, atol=1e-6)
+
+
 def _norm_rotary_case(rows, heads, dim, rot, dtype, device):
     """Per-head q-like rows as a strided view (the gate half of each head interleaved, as q_proj lays
     them out), a norm weight, and cos/sin of scattered positions."""
@@ -320,6 +326,8 @@ def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
     x, gate = torch.randn(2, T * 4, 128, device="cuda", dtype=dtype).unbind(0)
     for gw in (torch.randn(128, device="cuda"), torch.randn(128, device="cuda", dtype=dtype)):
         _assert_near(norm_ops.gated_rms_norm(x, gate, gw, EPS), norm_ops.gated_rms_norm_ref(x, gate, gw, EPS), dtype)
+    down = (6 * torch.randn(T, LOWRANK + HC + 4, device="cuda")).to(dtype)[:, :LOWRANK]
+    _assert_near(hc_ops.hc_gate_act(down, HC), hc_ops.hc_gate_act_ref(down, HC), dtype)
     from tidal.executor.layers.rotary import Rotary
 
     for heads, dim, rot in ((16, 256, 64), (16, 128, 64), (2, 256, 64)):  # the bench model's q, index q, k
