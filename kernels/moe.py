@@ -21,9 +21,10 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 # grouped GEMM until the Triton kernel's decode tiles are tuned; Triton serves fp32 and fp16.
 TRITON_MAX_ASSIGNMENTS = 0
 
-# On CUDA, batches of at most this many tokens run the routed and shared experts as the two GEMV kernels
-# of ``moe_decode_triton`` (each assignment streams its expert's weights once); larger batches take the
-# grouped GEMM. Measured on the H200 at the bench shapes (scripts/bench_decode_kernels.py,
+# On CUDA, decode batches (single-token segments only) of at most this many tokens run the routed and
+# shared experts as the two GEMV kernels of ``moe_decode_triton`` (each assignment streams its expert's
+# weights once); larger batches, and every batch with a prefill chunk, take the grouped GEMM (so a
+# prompt's rows compute alike however it is chunked). Measured on the H200 at the bench shapes (scripts/bench_decode_kernels.py,
 # docs/device/2026-11-29e/call2/): the GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64
 # tokens against 129 / 289 / 648 / 866 us for the grouped path (router and shared expert included).
 GEMV_MAX_TOKENS = 64
@@ -122,7 +123,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 
 
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether a batch of ``x``'s rows runs its experts as ``moe_decode_triton.moe_gemv`` (CUDA, Triton,
-    at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype)."""
+    """Whether a decode batch of ``x``'s rows may run its experts as ``moe_decode_triton.moe_gemv`` (CUDA,
+    Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype)."""
     return use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_TOKENS and gate_up.dtype == x.dtype
 

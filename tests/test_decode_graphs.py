@@ -125,3 +125,33 @@ def test_a_decode_sent_ahead_after_a_failed_batch(tiny_checkpoint):
     out = runner.execute(ahead)
     assert out.token_ids[1] == want[0]
     assert runner.last_sampled[3] == out.token_ids[0]  # the next decode sent ahead reads this one
+
+
+def test_only_decode_batches_may_take_the_moe_decode_kernels(tiny_checkpoint, monkeypatch):
+    """The MoE's decode kernels compute a row differently from the grouped path, so a prompt's rows must
+    never take them: a forward holding a prefill chunk (alone or beside decodes) runs its MoE with
+    ``decode=False``, a forward of single-token decodes only with ``decode=True``."""
+    from tidal.executor.layers import moe as moe_layer
+    from tidal.executor.models import qwen4_exp
+
+    seen: list[tuple[int, int, bool]] = []  # (prefill rows, decode rows) of the forward, and the flag
+    layer_forward, moe_forward = qwen4_exp.DecoderLayer.forward, moe_layer.SparseMoE.forward
+
+    def layer_spy(self, streams, pending, batch, own=None):
+        if self.mlp.experts.layer_idx == 0:
+            seen.append((batch.prefill.num_rows, batch.decode.num_rows, None))
+        return layer_forward(self, streams, pending, batch, own)
+
+    def moe_spy(self, x, decode=False):
+        if self.experts.layer_idx == 0:
+            seen[-1] = (*seen[-1][:2], decode)
+        return moe_forward(self, x, decode)
+
+    monkeypatch.setattr(qwen4_exp.DecoderLayer, "forward", layer_spy)
+    monkeypatch.setattr(moe_layer.SparseMoE, "forward", moe_spy)
+    # The short prompt decodes while the long one is still prefilling in chunks of 16.
+    LLM(tiny_checkpoint, max_prefill_length=16).generate([[5, 6, 7], list(range(3, 60))], max_tokens=6,
+                                                          ignore_eos=True)
+    assert all(decode == (prefill == 0) for prefill, _, decode in seen)
+    assert any(prefill and dec for prefill, dec, _ in seen)  # a mixed forward happened (and said False)
+    assert any(decode for _, _, decode in seen)

@@ -74,11 +74,12 @@ class SparseMoE(nn.Module):
             c.hidden_size, split(c.shared_expert_intermediate_size, "shared_expert_intermediate_size")[1])
         self.shared_expert_gate = Linear(c.hidden_size, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """``decode``: the rows are single-token decodes only (small ones take the GEMV kernels)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
-        if experts.store is None and gemv_applies(x, experts.gate_up_proj):
-            # Small batches: routed and shared experts, gate and sum in two GEMV launches.
+        if decode and experts.store is None and gemv_applies(x, experts.gate_up_proj):
+            # Small decode batches: routed and shared experts, gate and sum in two GEMV launches.
             from ...kernels.moe_decode_triton import moe_gemv
 
             return moe_gemv(x, ids, weights, experts.gate_up_proj, experts.down_proj,
