@@ -24,9 +24,10 @@ TRITON_MAX_ASSIGNMENTS = 0
 # On CUDA, decode batches (single-token segments only) of at most this many tokens run the routed and
 # shared experts as the two GEMV kernels of ``moe_decode_triton`` (each assignment streams its expert's
 # weights once); larger batches, and every batch with a prefill chunk, take the grouped GEMM (so a
-# prompt's rows compute alike however it is chunked). Measured on the H200 at the bench shapes (scripts/bench_decode_kernels.py,
-# docs/device/2026-11-29e/call2/): the GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64
-# tokens against 129 / 289 / 648 / 866 us for the grouped path (router and shared expert included).
+# prompt's rows compute alike however it is chunked). Measured on the H200 at the bench shapes
+# (scripts/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the GEMV kernels take 39 / 138 / 443 /
+# 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us for the grouped path (router and
+# shared expert included).
 GEMV_MAX_TOKENS = 64
 
 
