@@ -199,5 +199,5 @@ class DecodeGraphs:
             input_ids=ids, positions=positions, segments=[], kv=self.kv, states=self.states,
             all=group, decode=group, prefill=none, kv_write_rows=kv_write_rows, row_segment=self._rows[:b],
             ngram_context=ngram_context, export_seg=self._empty, export_off=self._empty, export_dst=self._empty,
-            waves=[], qsa=qsa,
+            waves=[], qsa=qsa, decode_only=True,
         )

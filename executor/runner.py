@@ -25,6 +25,12 @@ GREEDY = SamplingParams()
 logger = logging.getLogger(__name__)
 
 
+def is_decode(spec: SegmentSpec) -> bool:
+    """A decode of a generated token: one row that samples the request's next output after the first
+    (prompt chunks sample output 0, or nothing when resumed; a decode samples output ``len(output)``)."""
+    return len(spec.token_ids) == 1 and spec.sample and spec.sample_index >= 1
+
+
 @dataclass
 class RunnerOutput:
     # One id per segment, -1 where the segment did not sample.
@@ -95,6 +101,7 @@ class ModelRunner:
         # of the j-th segment as the forward lays it out.
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
         fb = self._forward_batch([specs[i] for i in order])
+        fb.decode_only = batch.mode != "layer_major" and all(is_decode(spec) for spec in specs)
         shift = 0  # rows of the segment before the returned streams' first row
         if batch.mode == "layer_major":
             if any(spec.want_logits for spec in specs):
@@ -141,8 +148,10 @@ class ModelRunner:
         return out
 
     def _graph_batch(self, batch: Batch) -> bool:
+        """Decode graphs serve batches of generated-token decodes only (a one-token prompt chunk runs
+        eagerly, so that every prompt row computes alike: see ``ForwardBatch.decode_only``)."""
         return (self.graphs is not None and batch.mode != "layer_major"
-                and all(len(s.token_ids) == 1 and not s.want_logits and not s.prompt_targets for s in batch.segments))
+                and all(is_decode(s) and not s.want_logits and not s.prompt_targets for s in batch.segments))
 
     def _execute_graph(self, specs: list[SegmentSpec]) -> RunnerOutput | None:
         """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly)."""

@@ -21,13 +21,14 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 # grouped GEMM until the Triton kernel's decode tiles are tuned; Triton serves fp32 and fp16.
 TRITON_MAX_ASSIGNMENTS = 0
 
-# On CUDA, decode batches (single-token segments only) of at most this many tokens run the routed and
-# shared experts as the two GEMV kernels of ``moe_decode_triton`` (each assignment streams its expert's
-# weights once); larger batches, and every batch with a prefill chunk, take the grouped GEMM (so a
-# prompt's rows compute alike however it is chunked). Measured on the H200 at the bench shapes
-# (scripts/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the GEMV kernels take 39 / 138 / 443 /
-# 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us for the grouped path (router and
-# shared expert included).
+# On CUDA, forwards of generated-token decodes only (``ForwardBatch.decode_only``) of at most this many
+# tokens run the routed and shared experts as the two GEMV kernels of ``moe_decode_triton`` (each
+# assignment streams its expert's weights once, sums in fp32 and rounds once); larger forwards, and every
+# forward with a prompt row, take the grouped GEMM. So a prompt's rows compute alike however it is
+# chunked or cached; a decode row's rounding depends on whether its forward was decode-only. Measured on
+# the H200 at the bench shapes (scripts/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the
+# GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us
+# for the grouped path (router and shared expert included).
 GEMV_MAX_TOKENS = 64
 
 

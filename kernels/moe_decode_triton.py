@@ -69,6 +69,8 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """Same contract as :func:`tidal.kernels.moe.route`: ``(weights [T, K] in the logits' dtype,
     expert ids [T, K] int64)``; one launch."""
     tokens, experts = router_logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({experts})")
     weights = torch.empty(tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if tokens:

@@ -5,7 +5,8 @@ so exact ties (at zero) happen, and which tied block ``topk`` returns is an impl
 of ``torch.topk``: the reference ranks each query's visible blocks exactly as transformers does (a
 top-k over just those ``n`` scores), grouping queries by ``n``, which needs the distinct counts on
 the host. On the GPU the masked top-k over all blocks gives the same choice except among tied
-scores, with no host sync.
+scores, with no host sync; it serves contexts beyond what ``qsa_triton`` (scores and top-k in one
+kernel, ties to the lower block) takes.
 """
 
 from __future__ import annotations

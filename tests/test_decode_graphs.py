@@ -46,15 +46,16 @@ def test_graph_steps_equal_eager_decode(tiny_checkpoint, eager):
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
 
 
-def test_one_token_prompts_start_fresh_in_graph_steps(tiny_checkpoint):
-    """A one-token prompt's first forward is a decode row at position 0: it must ignore what its slot
-    held (the n-gram context, conv and recurrent state of an earlier request)."""
+def test_one_token_prompts_start_fresh_then_decode_in_graph_steps(tiny_checkpoint):
+    """A one-token prompt's first forward is a single row at position 0 (run eagerly: it is a prompt row);
+    it must ignore what its slot held (the n-gram context, conv and recurrent state of an earlier
+    request), and the graph steps after it go on from its state."""
     prompts = [ids(1, 20), ids(1, 21)]
     want = LLM(tiny_checkpoint, max_prefill_length=64).generate(prompts, max_tokens=12, ignore_eos=True)
     llm = graphed(LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=2))
     llm.generate([ids(30, 22), ids(30, 23)], max_tokens=12, ignore_eos=True)  # leaves state in both slots
     assert llm.generate(prompts, max_tokens=12, ignore_eos=True) == want
-    assert llm.runner.graphs.steps >= 12 + 11
+    assert llm.runner.graphs.steps >= 11 + 11  # the decodes of both rounds; the one-token prompts ran eagerly
 
 
 def test_graph_steps_with_seeded_sampling(tiny_checkpoint):
@@ -127,31 +128,42 @@ def test_a_decode_sent_ahead_after_a_failed_batch(tiny_checkpoint):
     assert runner.last_sampled[3] == out.token_ids[0]  # the next decode sent ahead reads this one
 
 
-def test_only_decode_batches_may_take_the_moe_decode_kernels(tiny_checkpoint, monkeypatch):
-    """The MoE's decode kernels compute a row differently from the grouped path, so a prompt's rows must
-    never take them: a forward holding a prefill chunk (alone or beside decodes) runs its MoE with
-    ``decode=False``, a forward of single-token decodes only with ``decode=True``."""
+@pytest.mark.parametrize("graphs", [False, True])
+def test_only_decode_batches_may_take_the_moe_decode_kernels(tiny_checkpoint, monkeypatch, graphs):
+    """The MoE's decode kernels round differently from the grouped path, so no prompt row may take them,
+    however short its chunk: a forward runs its MoE with ``decode=True`` exactly when every row in it
+    decodes a generated token. Covers a prompt whose last chunk is one token (17 tokens in chunks of
+    16), a one-token prompt, prompts chunked beside decodes, and decode batches (eager or graph)."""
+    from tidal.executor import runner as runner_mod
     from tidal.executor.layers import moe as moe_layer
-    from tidal.executor.models import qwen4_exp
 
-    seen: list[tuple[int, int, bool]] = []  # (prefill rows, decode rows) of the forward, and the flag
-    layer_forward, moe_forward = qwen4_exp.DecoderLayer.forward, moe_layer.SparseMoE.forward
+    prompts = [ids(17, 4), ids(1, 5), ids(40, 6)]
+    prompt_of: dict[str, list[int]] = {}
+    forwards: list[list[bool]] = []  # per forward: is each segment a prompt segment?
+    flags: list[bool] = []
+    execute, moe_forward = runner_mod.ModelRunner.execute, moe_layer.SparseMoE.forward
 
-    def layer_spy(self, streams, pending, batch, own=None):
-        if self.mlp.experts.layer_idx == 0:
-            seen.append((batch.prefill.num_rows, batch.decode.num_rows, None))
-        return layer_forward(self, streams, pending, batch, own)
+    def execute_spy(self, batch):
+        rows = []
+        for spec in batch.segments:
+            if spec.rid not in prompt_of:  # its first segment starts the prompt it belongs to
+                prompt_of[spec.rid] = next(p for p in prompts if p[:len(spec.token_ids)] == spec.token_ids)
+            rows.append(spec.start < len(prompt_of[spec.rid]))
+        forwards.append(rows)
+        return execute(self, batch)
 
     def moe_spy(self, x, decode=False):
         if self.experts.layer_idx == 0:
-            seen[-1] = (*seen[-1][:2], decode)
+            flags.append(decode)
         return moe_forward(self, x, decode)
 
-    monkeypatch.setattr(qwen4_exp.DecoderLayer, "forward", layer_spy)
+    monkeypatch.setattr(runner_mod.ModelRunner, "execute", execute_spy)
     monkeypatch.setattr(moe_layer.SparseMoE, "forward", moe_spy)
-    # The short prompt decodes while the long one is still prefilling in chunks of 16.
-    LLM(tiny_checkpoint, max_prefill_length=16).generate([[5, 6, 7], list(range(3, 60))], max_tokens=6,
-                                                          ignore_eos=True)
-    assert all(decode == (prefill == 0) for prefill, _, decode in seen)
-    assert any(prefill and dec for prefill, dec, _ in seen)  # a mixed forward happened (and said False)
-    assert any(decode for _, _, decode in seen)
+    llm = LLM(tiny_checkpoint, max_prefill_length=16, max_running_requests=3)
+    if graphs:
+        graphed(llm)
+    llm.generate(prompts, max_tokens=5, ignore_eos=True)
+    assert len(flags) == len(forwards)
+    assert flags == [not any(rows) for rows in forwards]
+    assert any(flags) and not all(flags)
+    assert any(rows == [True] for rows in forwards)  # the one-token prompt (or the one-token tail) alone

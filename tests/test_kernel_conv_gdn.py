@@ -283,10 +283,11 @@ def test_gdn_gates_kernel_equals_torch(rows, heads):
     g = torch.Generator().manual_seed(rows)
     proj = torch.randn(rows, 2 * heads + 3, generator=g) * 8  # a and b as column slices of one output
     proj[0, 0] = 30.0  # past softplus' threshold
+    proj[-1, 1] = -40.0  # where log(1 + exp(x)) would round to 0
     a, b = proj[:, :heads].to(DEV), proj[:, heads + 3:].to(DEV)
     a_log, dt_bias = torch.randn(heads, generator=g).to(DEV), torch.randn(heads, generator=g).to(DEV)
     decay, beta = gdn_gates(a, b, a_log, dt_bias)
     ref_decay, ref_beta = gdn_gates_ref(a, b, a_log, dt_bias)
     assert decay.dtype == torch.float32 and beta.dtype == b.dtype
-    torch.testing.assert_close(decay, ref_decay, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decay, ref_decay, rtol=1e-5, atol=1e-30)
     torch.testing.assert_close(beta, ref_beta, rtol=1e-5, atol=1e-6)

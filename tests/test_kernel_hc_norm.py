@@ -279,10 +279,19 @@ def test_stacked_projections_equal_the_separate_ones():
         for p in layer.parameters():
             p.data = torch.randn(p.shape, generator=g)
         stack = layer._in_proj
-        parts = stack.split(torch.nn.functional.linear(x, stack.get()))
+        with torch.inference_mode():  # built where the runner builds it
+            parts = stack.split(torch.nn.functional.linear(x, stack.get()))
         assert len(parts) == len(stack.linears) and stack.get().shape[0] % 8 == 0
         for part, lin in zip(parts, stack.linears, strict=True):
             torch.testing.assert_close(part, lin(x), rtol=1e-5, atol=1e-5)
+            # The weights are held once: each is a view of the stack's rows.
+            assert lin.weight.untyped_storage().data_ptr() == stack.get().untyped_storage().data_ptr()
+        # A reload writes into a weight in place: the next stack has it.
+        first = stack.linears[0]
+        with torch.no_grad():
+            first.weight.copy_(torch.randn(first.weight.shape, generator=g))
+        torch.testing.assert_close(stack.split(torch.nn.functional.linear(x, stack.get()))[0], first(x),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_use_triton_needs_cuda():

@@ -59,6 +59,11 @@ def test_route_kernel_equals_softmax_topk(experts, top_k, renorm):
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
 
 
+def test_route_kernel_rejects_top_k_beyond_the_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        route_triton(torch.zeros(2, 4, device=DEV), 6, True)
+
+
 def test_route_kernel_breaks_ties_toward_the_lower_expert():
     logits = torch.zeros(2, 8)
     logits[0, [2, 5, 6]] = 1.0

@@ -92,3 +92,20 @@ def test_select_bf16_bench_shapes_gpu():
     picked = scores.gather(1, sel.long().clamp(min=0)).masked_fill(sel < 0, -1)
     wanted = scores.gather(1, ref.long().clamp(min=0)).masked_fill(ref < 0, -1)
     torch.testing.assert_close(picked.sort(-1).values, wanted.sort(-1).values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layer_dispatch_limit_is_the_kernels():
+    from tidal.executor.layers.attention import QSA_TRITON_MAX_BLOCKS
+    from tidal.kernels.qsa_triton import MAX_BLOCKS
+
+    assert QSA_TRITON_MAX_BLOCKS == MAX_BLOCKS
+
+
+def test_select_in_row_chunks_equals_one_launch(monkeypatch):
+    from tidal.kernels import qsa_triton
+
+    ratio = 4
+    args = _case([1, 22, 9, 1], [150, 0, 41, 2], 3, 24, ratio, True, torch.float32)
+    whole = qsa_select(*args[:5], args[-1], ratio, 5)
+    monkeypatch.setattr(qsa_triton, "_SCRATCH_ELEMENTS", 64 * 7)  # 7 rows a launch
+    assert torch.equal(qsa_select(*args[:5], args[-1], ratio, 5), whole)

@@ -18,7 +18,7 @@ from .rotary import Rotary
 
 # The Triton block choice (``kernels/qsa_triton.py``) holds a query's block scores in registers for its
 # top-k: up to this many blocks (its MAX_BLOCKS, kept here so the CPU path never imports triton).
-QSA_TRITON_MAX_BLOCKS = 4096
+QSA_TRITON_MAX_BLOCKS = 2048
 
 
 class QSAIndexer(nn.Module):
@@ -60,12 +60,12 @@ class QSAIndexer(nn.Module):
         ``sum_h relu(q_h . k_block) / sqrt(d)``, ``-1`` for empty entries (fewer visible blocks)."""
         qsa = batch.qsa
         width = max(1, min(self.block_topk, qsa.max_blocks))
-        # One spare row at the end takes the writes of padding queries (no data-dependent shapes).
         if qsa.max_blocks and use_triton(index_q) and qsa.max_blocks <= QSA_TRITON_MAX_BLOCKS:
             from ...kernels.qsa_triton import qsa_select
 
             return qsa_select(index_q, batch.kv.flat(batch.kv.index_block_k, layer), qsa.key_rows,
                               batch.row_segment, batch.positions, qsa.max_blocks, self.ratio, width)
+        # One spare row at the end takes the writes of padding queries (no data-dependent shapes).
         sel = torch.full((index_q.shape[0] + 1, width), -1, dtype=torch.int32, device=index_q.device)
         if qsa.max_blocks:
             keys = batch.kv.flat(batch.kv.index_block_k, layer)[qsa.key_rows]  # [N, B, d]

@@ -31,7 +31,9 @@ def _version(t: torch.Tensor) -> int:
 
 class StackedWeight:
     """The weights of several projections of one input stacked into one ``[sum N, K]`` matrix, so the
-    GPU runs one GEMM where the checkpoint has several (the input read once, one launch).
+    GPU runs one GEMM where the checkpoint has several (the input read once, one launch). Once built,
+    the projections' weights are views of the stack's rows (those of its dtype), so the weights are
+    held once.
 
     ``get()`` rebuilds the stack when a source weight moves, is replaced or is written in place (the
     key: device, dtype, storage, write counter), so loading and ``.to()`` need no hook. Zero rows pad
@@ -48,14 +50,26 @@ class StackedWeight:
         self._key: tuple | None = None
 
     def get(self) -> torch.Tensor:
-        weights = [lin.weight for lin in self.linears]
-        key = tuple((w.device, w.dtype, w.data_ptr(), _version(w)) for w in weights)
-        if self._stack is None or self._key != key:
+        if self._stack is None or self._key != self._weights_key():
+            weights = [lin.weight for lin in self.linears]
             first = weights[0]
             pad = -sum(self.sizes) % 8
-            self._stack = torch.cat([w.to(first.dtype) for w in weights] + [first.new_zeros(pad, first.shape[1])])
-            self._key = key
+            # A normal tensor even when built inside the runner's inference mode: the projections'
+            # weights become views of it and must stay usable outside that mode.
+            with torch.inference_mode(False):
+                stack = torch.cat([w.to(first.dtype) for w in weights] + [first.new_zeros(pad, first.shape[1])])
+            # Each weight of the stack's dtype becomes a view of its rows: one copy in memory, not two.
+            offset = 0
+            for lin, size in zip(self.linears, self.sizes, strict=True):
+                if lin.weight.dtype == stack.dtype:
+                    lin.weight.data = stack[offset:offset + size]
+                offset += size
+            self._stack = stack
+            self._key = self._weights_key()
         return self._stack
+
+    def _weights_key(self) -> tuple:
+        return tuple((w.device, w.dtype, w.data_ptr(), _version(w)) for w in (lin.weight for lin in self.linears))
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         return list(y[..., :sum(self.sizes)].split(self.sizes, dim=-1))

@@ -10,31 +10,30 @@ from ...config import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.moe import fused_experts, gemv_applies, route
 from ..distributed import split
-from .linear import Linear
+from .linear import Linear, StackedWeight
 
 
 class SharedExpert(nn.Module):
     """``down(silu(gate(x)) * up(x))``. On a GPU gate and up are one GEMM over a ``[gate; up]`` weight
-    (built once, on first use) and the SiLU-gate is one pass (the routed experts' kernel)."""
+    (a :class:`StackedWeight`) and the SiLU-gate is one pass (the routed experts' kernel)."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
-        self._gate_up: torch.Tensor | None = None
+        self._gate_up = StackedWeight(self.gate_proj, self.up_proj)
 
-    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
-        """The ``[gate; up]`` weight ``[2 * I, H]`` on ``x``'s device in its dtype."""
-        if self._gate_up is None or self._gate_up.device != x.device or self._gate_up.dtype != x.dtype:
-            self._gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).to(x.dtype)
-        return self._gate_up
+    def gate_up(self) -> torch.Tensor:
+        """The ``[gate; up]`` weight ``[2 * I (+ padding rows), H]``."""
+        return self._gate_up.get()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(x):
             from ...kernels.moe_triton import silu_mul
 
-            return self.down_proj(silu_mul(F.linear(x, self.gate_up(x))))
+            inter = self.gate_proj.weight.shape[0]
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up()[:2 * inter])))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -75,15 +74,16 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = Linear(c.hidden_size, 1)
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        """``decode``: the rows are single-token decodes only (small ones take the GEMV kernels)."""
+        """``decode``: every row decodes a generated token (small such batches take the GEMV kernels)."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
         if decode and experts.store is None and gemv_applies(x, experts.gate_up_proj):
             # Small decode batches: routed and shared experts, gate and sum in two GEMV launches.
             from ...kernels.moe_decode_triton import moe_gemv
 
+            inter = shared.gate_proj.weight.shape[0]
             return moe_gemv(x, ids, weights, experts.gate_up_proj, experts.down_proj,
-                            (shared.gate_up(x), shared.down_proj.weight, self.shared_expert_gate.weight))
+                            (shared.gate_up()[:2 * inter], shared.down_proj.weight, self.shared_expert_gate.weight))
         routed = self.experts(x, ids, weights)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -68,10 +68,9 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         streams, normed = hc_mlp.add_and_norm(streams, self._block(mixer, block_in, batch, own), inject)
         block_in, inject = hc_mlp.mix(normed, owned_rows=own is not None)
-        # A batch of single-token decodes only may take the MoE's decode kernels; every prefill row takes
-        # the same path whatever the chunking, so a prompt's rows compute alike cold, chunked or cached.
-        decode = batch.prefill.num_rows == 0
-        return streams, (self._block(lambda x, _: self.mlp(x, decode), block_in, batch, own), inject)
+        # Only a forward of generated-token decodes may take the MoE's decode kernels: every prompt row
+        # takes the same path whatever the chunking, so a prompt computes alike cold, chunked or cached.
+        return streams, (self._block(lambda x, _: self.mlp(x, batch.decode_only), block_in, batch, own), inject)
 
     @staticmethod
     def _block(block, block_in: torch.Tensor, batch: ForwardBatch, own: slice | None) -> torch.Tensor:
