@@ -1,9 +1,10 @@
 """Decode forwards replayed from CUDA graphs.
 
-A decode step of the ``bench`` model is ~800 kernel launches and ~3 ms of GPU work; issued one by
-one from Python it takes 25-40 ms. :class:`DecodeGraphs` records the whole step once per shape and
-replays it with one launch. A decode batch (every segment one token) is padded to a captured batch
-size, and the QSA layers' block count to a power of two, so that every tensor shape is fixed:
+A decode step of the ``bench`` model is several hundred kernel launches; issued one by one from
+Python it takes 15-40 ms. :class:`DecodeGraphs` records the whole step once per shape and replays it
+with one launch. A decode batch (every segment one token; the runner sends generated-token decodes
+only, see ``ForwardBatch.decode_only``) is padded to a captured batch size, and the QSA layers' block
+count to a power of two, so that every tensor shape is fixed:
 
 * the per-row inputs (token id, position, slot, fresh) live in one persistent device buffer, filled
   with one host-to-device copy per step;
