@@ -3,7 +3,8 @@
 ``fused_experts`` sorts the (token, expert) assignments by expert and runs gate_up and down as two
 grouped GEMMs over the jagged per-expert row ranges (torch's grouped GEMM: one launch each, no
 loop over experts, no host sync; it runs on the CPU too). ``fused_experts_ref`` is the per-expert
-loop it is checked against.
+loop it is checked against. On CUDA, ``route`` is one Triton launch, and small decode forwards run
+the routed and shared experts as the GEMV kernels of ``moe_decode_triton`` (:func:`gemv_applies`).
 """
 
 from __future__ import annotations
