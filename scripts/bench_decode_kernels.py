@@ -29,6 +29,7 @@ import pathlib
 
 import torch
 import torch.nn.functional as F
+from bench_forward import device_ms, measure_bandwidth  # this script's folder is first on sys.path
 
 from tidal.kernels import moe as moe_k
 from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
@@ -67,20 +68,6 @@ def graph_us(fn, replays: int = 200) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / replays)
     return best
-
-
-def bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def grouped_moe(x, logits, gate_up, down, s_gate_up, s_down, s_gate):
@@ -166,15 +153,8 @@ def bench_qsa(tokens_list, contexts, prefill, results):
         q = torch.randn(prefill, hi, di, generator=g, device="cuda").to(dt)
         pos = torch.arange(prefill, device="cuda")
         seg = torch.zeros(prefill, dtype=torch.long, device="cuda")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(2):
-            qsa_select(q, keys, key_rows, seg, pos, blocks, ratio, width)
-        start.record()
-        for _ in range(5):
-            qsa_select(q, keys, key_rows, seg, pos, blocks, ratio, width)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / 5
+        ms = device_ms(functools.partial(qsa_select, q, keys, key_rows, seg, pos, blocks, ratio, width),
+                       torch.device("cuda"), samples=5)["ms"]
         print(f"QSA select, one {prefill}-token prompt: {ms:.3f} ms a layer")
         results["qsa_prefill"] = {"tokens": prefill, "kernel_ms": ms}
 
@@ -190,7 +170,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in args.tokens.split(",")]
-    bw = bandwidth()
+    bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
     results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": []}
     parts = args.parts.split(",")
