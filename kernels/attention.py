@@ -116,7 +116,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
                     block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int) -> torch.Tensor:
     """The Triton kernel on a GPU (``attention_triton.paged_attention``), else :func:`paged_attention_ref`."""
-    if use_triton(q):
+    if use_triton(q, "attention"):
         from .attention_triton import paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, block_sel=block_sel,

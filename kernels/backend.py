@@ -3,7 +3,8 @@
 Triton kernels run only for CUDA tensors, and only where ``triton`` imports; everything else (the
 CPU serving path, a machine without triton) takes the torch reference. Setting the environment
 variable ``TIDAL_KERNELS=torch`` forces the reference on a GPU too, to bisect a numerical
-difference or to measure what a kernel buys. It is read on every call, so a test can flip it.
+difference or to measure what a kernel buys; ``TIDAL_KERNELS=torch:route,qsa_select`` forces only the
+named operations (:data:`KERNELS` lists the names). It is read on every call, so a test can flip it.
 
 Triton is imported here only to check that it is there, and only once a CUDA tensor asks: the CPU
 path never imports it.
@@ -27,10 +28,43 @@ def _triton_importable() -> bool:
     return True
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """True when ``t`` is on CUDA, triton imports and ``TIDAL_KERNELS`` is not ``torch``."""
-    if not t.is_cuda:
-        return False
-    if os.environ.get("TIDAL_KERNELS", "").strip().lower() == "torch":
+# The operations ``TIDAL_KERNELS=torch:NAME,...`` can send to their torch references one by one.
+KERNELS = (
+    "attention",      # paged prefill/decode attention (kernels/attention)
+    "conv",           # causal conv1d varlen and its decode step (kernels/conv)
+    "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
+    "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
+    "hc",             # hyper-connection kernels (kernels/hyper_connection, executor/layers/hyper_connection)
+    "moe",            # routed experts of prefill rows: grouped GEMM helpers and the Triton fused MoE
+    "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)
+    "norm",           # RMSNorm and gated RMSNorm
+    "norm_rotary",    # per-head RMSNorm + partial rotary (executor/layers/rotary)
+    "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)
+    "qsa_select",     # QSA block scores + top-k in one kernel (kernels/qsa_triton)
+    "route",          # router softmax + top-k (kernels/moe.route)
+    "shared_expert",  # the shared expert's [gate; up] GEMM and SiLU-gate
+    "stacked",        # GDN's and attention's input projections as one GEMM
+)
+
+
+def _forced_to_torch() -> tuple[bool, frozenset[str]]:
+    """(every operation, named operations) that ``TIDAL_KERNELS`` sends to the torch reference."""
+    value = os.environ.get("TIDAL_KERNELS", "").strip().lower()
+    if value == "torch":
+        return True, frozenset()
+    if not value.startswith("torch:"):
+        return False, frozenset()
+    names = frozenset(n.strip() for n in value[len("torch:"):].split(",") if n.strip())
+    unknown = sorted(names - set(KERNELS))
+    if unknown:
+        raise ValueError(f"TIDAL_KERNELS names unknown operations {unknown}; known: {', '.join(KERNELS)}")
+    return False, names
+
+
+def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
+    """True when ``t`` is on CUDA, triton imports and ``TIDAL_KERNELS`` sends neither every operation
+    nor ``name`` (one of :data:`KERNELS`) to the torch reference."""
+    every, names = _forced_to_torch()  # first: a misspelt name is an error on any device
+    if not t.is_cuda or every or (name is not None and name in names):
         return False
     return _triton_importable()

@@ -152,7 +152,7 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
             runs ``row_segments`` itself without it), the reference does not.
     Returns ``silu(conv)`` (or the bare conv) ``[T, C]`` in ``x``'s dtype; arithmetic in fp32.
     """
-    if use_triton(x):
+    if use_triton(x, "conv"):
         from . import conv_triton
 
         return conv_triton.causal_conv1d_varlen(x, states, weight, cu_seqlens, slots, fresh, dilation, silu,
@@ -213,7 +213,7 @@ def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
     Afterwards ``states[slots[b]]`` holds the last ``W`` inputs including ``x[b]``; other slots are
     untouched. Output in ``x``'s dtype, arithmetic in fp32.
     """
-    if use_triton(x):
+    if use_triton(x, "conv"):
         from . import conv_triton
 
         return conv_triton.causal_conv1d_update(x, states, weight, slots, fresh, dilation, silu)

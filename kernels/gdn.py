@@ -35,7 +35,7 @@ def gdn_gates_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gdn_gates_ref`; one Triton launch on the GPU."""
-    if use_triton(a):
+    if use_triton(a, "gdn_gates"):
         from .gdn_gates_triton import gdn_gates as triton_gates
 
         return triton_gates(a, b, a_log, dt_bias)

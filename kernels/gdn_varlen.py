@@ -63,7 +63,7 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     kernel does not build and copy it to the device (a host sync) in every layer.
     """
     # flash-linear-attention's float32 dots run in tf32: float32 stays on the exact reference.
-    fla_chunk = _fla_chunk() if use_triton(v) and v.dtype != torch.float32 else None
+    fla_chunk = _fla_chunk() if use_triton(v, "gdn") and v.dtype != torch.float32 else None
     if fla_chunk is None:
         return gdn_prefill_ref(q, k, v, g, beta, initial_state, cu_seqlens_host)
     cpu = torch.tensor(cu_seqlens_host, dtype=torch.long) if chunk_indices is None else None
@@ -81,7 +81,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     Args as :func:`tidal.kernels.gdn.gdn_decode_ref` (q, k raw ``[B, Hk, dk]``).
     """
-    if use_triton(v):
+    if use_triton(v, "gdn"):
         from .gdn_decode_triton import gdn_decode as triton_decode
 
         return triton_decode(q, k, v, g, beta, state_pool, slots, fresh)

@@ -30,7 +30,7 @@ def hc_gate_act_ref(down_out: torch.Tensor, hc: int) -> torch.Tensor:
 
 def hc_gate_act(down_out: torch.Tensor, hc: int) -> torch.Tensor:
     """:func:`hc_gate_act_ref`, by one Triton pass for CUDA tensors."""
-    if use_triton(down_out):
+    if use_triton(down_out, "hc"):
         from .hyper_connection_triton import hc_gate_act_triton
 
         return hc_gate_act_triton(down_out, hc)
@@ -57,7 +57,7 @@ def hc_residual_norm_ref(streams: torch.Tensor, block_out: torch.Tensor, inject_
 
 def hc_block_input(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -> torch.Tensor:
     """:func:`hc_block_input_ref`, by one fused Triton pass for CUDA tensors of one dtype."""
-    if use_triton(normed) and up_out.dtype == normed.dtype:
+    if use_triton(normed, "hc") and up_out.dtype == normed.dtype:
         from .hyper_connection_triton import hc_block_input_triton
 
         return hc_block_input_triton(normed, up_out, hc)
@@ -67,7 +67,7 @@ def hc_block_input(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -> torch
 def hc_residual_norm(streams: torch.Tensor, block_out: torch.Tensor, inject_logits: torch.Tensor, hc: int,
                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hc_residual_norm_ref`, by one fused Triton pass for CUDA tensors of one dtype."""
-    if use_triton(streams) and block_out.dtype == streams.dtype and inject_logits.dtype == streams.dtype:
+    if use_triton(streams, "hc") and block_out.dtype == streams.dtype and inject_logits.dtype == streams.dtype:
         from .hyper_connection_triton import hc_residual_norm_triton
 
         return hc_residual_norm_triton(streams, block_out, inject_logits, hc, norm_weight, eps)

@@ -37,7 +37,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     """Softmax router: ``(weights [T, K] in logits' dtype, expert ids [T, K])``. On CUDA one Triton
     launch (``moe_decode_triton.route_triton``; among exactly tied probabilities it takes the lower
     expert id, where ``torch.topk`` leaves the choice open)."""
-    if use_triton(router_logits):
+    if use_triton(router_logits, "route"):
         from .moe_decode_triton import route_triton
 
         return route_triton(router_logits, top_k, renormalize)
@@ -94,7 +94,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
     cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments.
     """
-    if (use_triton(x) and x.dtype == gate_up.dtype == down.dtype
+    if (use_triton(x, "moe") and x.dtype == gate_up.dtype == down.dtype
             and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
         from .moe_triton import fused_experts_triton
 
@@ -111,7 +111,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = x[order // top_k]
     h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
-    if use_triton(x):
+    if use_triton(x, "moe"):
         from .moe_triton import combine, silu_mul
 
         h = _grouped_mm(silu_mul(h), down.transpose(1, 2), offs=offsets)
@@ -128,5 +128,5 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
     """Whether a decode batch of ``x``'s rows may run its experts as ``moe_decode_triton.moe_gemv`` (CUDA,
     Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype)."""
-    return use_triton(x) and 0 < x.shape[0] <= GEMV_MAX_TOKENS and gate_up.dtype == x.dtype
+    return use_triton(x, "moe_gemv") and 0 < x.shape[0] <= GEMV_MAX_TOKENS and gate_up.dtype == x.dtype
 

@@ -42,7 +42,7 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
     """:func:`rms_norm_ref`, by a Triton kernel for CUDA tensors."""
-    if use_triton(x):
+    if use_triton(x, "norm"):
         from .norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, group_size)
@@ -52,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    activation: str = "silu") -> torch.Tensor:
     """:func:`gated_rms_norm_ref`, by a Triton kernel for CUDA tensors."""
-    if use_triton(x):
+    if use_triton(x, "norm"):
         from .norm_triton import gated_rms_norm_triton
 
         return gated_rms_norm_triton(x, gate, weight, eps, activation)

@@ -35,7 +35,7 @@ def pick_blocks_ref(scores: torch.Tensor, visible: torch.Tensor, width: int) -> 
 
 def pick_blocks(scores: torch.Tensor, visible: torch.Tensor, width: int) -> torch.Tensor:
     """:func:`pick_blocks_ref`'s choice (up to ties) as one masked top-k."""
-    if not use_triton(scores):
+    if not use_triton(scores, "qsa"):
         return pick_blocks_ref(scores, visible, width)
     blocks = torch.arange(scores.shape[-1], device=scores.device)
     masked = scores.masked_fill(blocks >= visible[..., None], float("-inf"))

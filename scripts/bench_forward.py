@@ -332,7 +332,8 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
         times = []
         for step in range(DECODE_WARMUP + steps):
             batch = Batch(batch_id=step, segments=[
-                SegmentSpec(rid=f"decode-{i}", slot=i, start=pos, token_ids=[last[i]], pages=pages[i], sample=True)
+                SegmentSpec(rid=f"decode-{i}", slot=i, start=pos, token_ids=[last[i]], pages=pages[i], sample=True,
+                            sample_index=step + 1)  # output 0 came from the prompt: these decode generated tokens
                 for i in range(size)])
             synchronize(device)
             t0 = time.perf_counter()

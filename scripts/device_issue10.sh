@@ -2,7 +2,8 @@
 # One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
-# them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py. Logs to $OUT.
+# them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
+# --bisect list). Logs to $OUT.
 #   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
@@ -40,8 +41,8 @@ for part in $parts; do
       echo "server rc $?" >> $OUT/bench_decode_server.log
       grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
     numerics)
-      timeout ${NUM_LIMIT:-150} python3 scripts/numerics_check.py --out $OUT/num > $OUT/numerics.log 2>&1
+      timeout ${NUM_LIMIT:-150} python3 scripts/numerics_check.py --out $OUT/num ${NUM_BISECT:+--bisect "$NUM_BISECT"} > $OUT/numerics.log 2>&1
       echo "numerics rc $?" >> $OUT/numerics.log
-      tail -8 $OUT/numerics.log ;;
+      grep -E "^(greedy|bisect|PASS|FAIL)|rc " $OUT/numerics.log ;;
   esac
 done

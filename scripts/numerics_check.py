@@ -2,7 +2,7 @@
 prefix-cache hit must not change.
 
     python scripts/numerics_check.py --out DIR [--preset small] [--tokens 2048] [--device cuda]
-        [--chunk 1000] [--greedy-tokens 32]
+        [--chunk 1000] [--greedy-tokens 32] [--bisect 'torch;torch:moe,route']
 
 The preset is written with seeded weights (``write_checkpoint(preset, dir, seed=0)``); the prompt is
 ``--tokens`` ids drawn with ``torch.Generator().manual_seed(0)`` from [1000, 240000), with the config's
@@ -21,6 +21,11 @@ Gates (the seed write-up's teacher-forced protocol, fp32 as the baseline):
 The fp32 baseline runs on the device's default kernels; where they refuse fp32 (flash-linear-attention's
 chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERNELS=torch``), and
 ``teacher_forced.fp32_kernels`` says which. TF32 is off for it.
+
+Where a greedy run leaves the cold ids it prints the output index and the cold run's bf16 top-2 margin
+there. ``--bisect`` runs the greedy part again under each listed ``TIDAL_KERNELS`` value (whole runs
+on the references, or named operations only) and reports which keep the ids equal; it does not change
+the gates.
 
 Prints PASS/FAIL per gate, writes ``DIR/numerics_check.json``, exits 1 when a gate fails.
 """
@@ -127,7 +132,8 @@ def compare_logits(ref: torch.Tensor, test: torch.Tensor, prompt: list[int]) -> 
 
 
 def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -> dict[str, Any]:
-    """bf16 greedy ids: cold, chunked, and the same prompt again after the cold run (a cache hit)."""
+    """bf16 greedy ids: cold, chunked, and the same prompt again after the cold run (a cache hit); where
+    a run leaves the cold ids, the index and the cold run's bf16 top-2 margin there (scored teacher-forced)."""
     llm = LLM(ckpt, device=device, dtype="bfloat16")
     cold = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
     counters = getattr(llm.scheduler, "counters", None)
@@ -136,13 +142,31 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     hit = None
     if before is not None and "cached_tokens" in counters:
         hit = int(counters["cached_tokens"] - before.get("cached_tokens", 0))
+    # Teacher-forced over the prompt and the cold outputs: row len(prompt) - 1 + i predicts output i.
+    sequence = prompt + cold[:-1]
+    whole = llm.score(sequence)
+    top2 = torch.log_softmax(whole[len(prompt) - 1:].float(), dim=-1).topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1]).tolist()
     del llm
     free(device)
     llm = LLM(ckpt, device=device, dtype="bfloat16", max_prefill_length=chunk)
     chunked = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
-    del llm
+    # What chunking alone changes: the same sequence scored in chunks against in one forward.
+    diff = (llm.score(sequence)[chunk:] - whole[chunk:]).abs()
+    del llm, whole
     free(device)
-    return {"cold": cold, "chunked": chunked, "cached": cached, "chunk": chunk, "cached_tokens": hit}
+    out: dict[str, Any] = {"cold": cold, "chunked": chunked, "cached": cached, "chunk": chunk, "cached_tokens": hit,
+                           "cold_margins": margins, "min_cold_margin": min(margins),
+                           "chunked_logit_diff": {"max": float(diff.max()), "mean": float(diff.mean())}}
+    print(f"greedy: logits scored in chunks of {chunk} against one forward, rows after the first chunk: "
+          f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}", flush=True)
+    for name, ids in (("chunked", chunked), ("cached", cached)):
+        first = next((i for i, (a, b) in enumerate(zip(cold, ids, strict=True)) if a != b), None)
+        out[f"{name}_first_difference"] = first
+        if first is not None:
+            print(f"greedy: {name} leaves the cold ids at output {first} (cold run's bf16 top-2 margin there "
+                  f"{margins[first]:.4f} nats; smallest over the outputs {min(margins):.4f})", flush=True)
+    return out
 
 
 def gate(name: str, value: Any, threshold: str, ok: bool) -> dict[str, Any]:
@@ -158,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--chunk", type=int, default=1000, help="max_prefill_length of the chunked greedy run")
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--bisect", default="", help="';'-separated TIDAL_KERNELS values (e.g. 'torch;torch:moe,route'): "
+                    "the greedy runs again under each, to find the kernel a greedy difference comes from")
     ns = ap.parse_args(argv)
     # The fp32 baseline is exact fp32: no TF32 in matmuls or cuDNN convs.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -175,6 +201,21 @@ def main(argv: list[str] | None = None) -> int:
         forced["fp32_kernels"] = fp32_kernels
         del fp32, bf16
         ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
+        bisect = {}
+        for value in filter(None, (v.strip() for v in ns.bisect.split(";"))):
+            previous = os.environ.get("TIDAL_KERNELS")
+            os.environ["TIDAL_KERNELS"] = value
+            try:
+                run = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
+            finally:
+                if previous is None:
+                    os.environ.pop("TIDAL_KERNELS", None)
+                else:
+                    os.environ["TIDAL_KERNELS"] = previous
+            bisect[value] = run
+            print(f"bisect TIDAL_KERNELS={value}: cold == chunked {run['cold'] == run['chunked']}, "
+                  f"cold == cached {run['cold'] == run['cached']}, first differences chunked "
+                  f"{run['chunked_first_difference']} cached {run['cached_first_difference']}", flush=True)
 
     agreement, count = forced["top1_agreement"], forced["strong_margin_positions"]
     same = ids["cold"] == ids["chunked"] == ids["cached"]
@@ -193,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                  "device": ns.device, "device_name": torch.cuda.get_device_name(ns.device)
                  if ns.device.startswith("cuda") else "cpu", "torch": torch.__version__,
                  "seconds": time.monotonic() - t0},
-        "teacher_forced": forced, "greedy": ids, "gates": gates, "pass": passed,
+        "teacher_forced": forced, "greedy": ids, "greedy_bisect": bisect, "gates": gates, "pass": passed,
     }
     with open(path, "w") as f:
         json.dump(results, f, indent=2)

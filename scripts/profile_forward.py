@@ -68,7 +68,8 @@ def main() -> None:
 
     def step(batch_id: int, pos: int) -> None:
         llm.runner.execute(Batch(batch_id=batch_id, segments=[
-            SegmentSpec(rid=f"d{i}", slot=i, start=pos, token_ids=[ids[pos + i]], pages=segs[i].pages, sample=True)
+            SegmentSpec(rid=f"d{i}", slot=i, start=pos, token_ids=[ids[pos + i]], pages=segs[i].pages, sample=True,
+                        sample_index=pos - 63)  # decodes of generated tokens (output 0 came from the prompt)
             for i in range(b)]))
 
     for i in range(3):

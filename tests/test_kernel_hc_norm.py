@@ -39,7 +39,7 @@ def tri():
 def _force(monkeypatch, triton: bool) -> None:
     """Make every dispatcher take (or skip) the Triton path, whatever the tensors' device."""
     for module in (norm_ops, hc_ops, hc_layer):
-        monkeypatch.setattr(module, "use_triton", lambda t: triton)
+        monkeypatch.setattr(module, "use_triton", lambda t, name=None: triton)
 
 
 # The original formulas, verbatim.

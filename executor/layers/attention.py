@@ -60,7 +60,7 @@ class QSAIndexer(nn.Module):
         ``sum_h relu(q_h . k_block) / sqrt(d)``, ``-1`` for empty entries (fewer visible blocks)."""
         qsa = batch.qsa
         width = max(1, min(self.block_topk, qsa.max_blocks))
-        if qsa.max_blocks and use_triton(index_q) and qsa.max_blocks <= QSA_TRITON_MAX_BLOCKS:
+        if qsa.max_blocks and use_triton(index_q, "qsa_select") and qsa.max_blocks <= QSA_TRITON_MAX_BLOCKS:
             from ...kernels.qsa_triton import qsa_select
 
             return qsa_select(index_q, batch.kv.flat(batch.kv.index_block_k, layer), qsa.key_rows,
@@ -119,7 +119,7 @@ class GatedAttention(nn.Module):
         kv, layer = batch.kv, self.layer_idx
         cos, sin = batch.rope if batch.rope is not None else self.rotary.cos_sin(batch.positions, x.dtype)
         index_qk = None
-        if use_triton(x) and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
+        if use_triton(x, "stacked") and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
             q_gate, k, v, *rest = self._in_proj.split(F.linear(x, self._in_proj.get()))
             index_qk = rest[0] if rest else None
         else:

@@ -53,7 +53,7 @@ class GatedDeltaNet(nn.Module):
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if use_triton(x):  # the four input projections as one GEMM
+        if use_triton(x, "stacked"):  # the four input projections as one GEMM
             qkv, z, b, a = self._in_proj.split(F.linear(x, self._in_proj.get()))
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)

@@ -77,7 +77,7 @@ class GatedResidual(nn.Module):
             start, count = self._cols
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
-        elif self.block_inject_weight is not None and use_triton(normed):
+        elif self.block_inject_weight is not None and use_triton(normed, "hc"):
             down, logits = self._down_inject.split(F.linear(normed, self._down_inject.get()))
         else:
             down = self.input_mix_weight_down(normed)

@@ -29,7 +29,7 @@ class SharedExpert(nn.Module):
         return self._gate_up.get()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x):
+        if use_triton(x, "shared_expert"):
             from ...kernels.moe_triton import silu_mul
 
             inter = self.gate_proj.weight.shape[0]

@@ -39,7 +39,7 @@ class Rotary(nn.Module):
     @staticmethod
     def norm_apply(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``apply(norm(x), cos, sin)`` for ``x [T, heads, d]``: one Triton pass on the GPU."""
-        if use_triton(x) and norm.group_size is None and x.dim() == 3 and x.stride(2) == 1:
+        if use_triton(x, "norm_rotary") and norm.group_size is None and x.dim() == 3 and x.stride(2) == 1:
             from ...kernels.norm_triton import rms_norm_rotary_triton
 
             return rms_norm_rotary_triton(x, norm.weight, norm.eps, cos, sin)
