@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ModelConfig
 from ..faults import scripted_output
+from ..kernels.backend import forces_torch
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
@@ -356,9 +358,14 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
             e.store = store
     runner = ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
     # Graphs replay a fixed sequence of device work: not with experts or PLE rows fetched from the
-    # host, and not across ranks (the collectives are issued eagerly).
-    if (torch.device(device).type == "cuda" and not args.disable_cuda_graph and store is None
-            and args.ple_backend == "gpu" and tp().size == 1):
+    # host, not across ranks (the collectives are issued eagerly), and not while TIDAL_KERNELS sends
+    # operations to torch references that read values back to the host.
+    graphs = (torch.device(device).type == "cuda" and not args.disable_cuda_graph and store is None
+              and args.ple_backend == "gpu" and tp().size == 1)
+    if graphs and forces_torch():
+        logger.warning("TIDAL_KERNELS=%s: decode runs without CUDA graphs", os.environ.get("TIDAL_KERNELS"))
+        graphs = False
+    if graphs:
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
     return runner

@@ -61,6 +61,13 @@ def _forced_to_torch() -> tuple[bool, frozenset[str]]:
     return False, names
 
 
+def forces_torch() -> bool:
+    """Whether ``TIDAL_KERNELS`` sends any operation to its torch reference (several of those read
+    values back to the host, which a CUDA graph capture cannot hold)."""
+    every, names = _forced_to_torch()
+    return every or bool(names)
+
+
 def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
     """True when ``t`` is on CUDA, triton imports and ``TIDAL_KERNELS`` sends neither every operation
     nor ``name`` (one of :data:`KERNELS`) to the torch reference."""

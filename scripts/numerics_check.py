@@ -159,7 +159,8 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
                            "cold_margins": margins, "min_cold_margin": min(margins),
                            "chunked_logit_diff": {"max": float(diff.max()), "mean": float(diff.mean())}}
     print(f"greedy: logits scored in chunks of {chunk} against one forward, rows after the first chunk: "
-          f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}", flush=True)
+          f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}; cold outputs' top-2 margins: smallest "
+          f"{min(margins):.4f}, {sum(m < 0.05 for m in margins)} of {len(margins)} under 0.05 nats", flush=True)
     for name, ids in (("chunked", chunked), ("cached", cached)):
         first = next((i for i, (a, b) in enumerate(zip(cold, ids, strict=True)) if a != b), None)
         out[f"{name}_first_difference"] = first

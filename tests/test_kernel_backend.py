@@ -53,3 +53,11 @@ def test_every_dispatch_names_a_known_operation():
 def test_cpu_tensors_take_the_reference_whatever_the_setting(monkeypatch):
     monkeypatch.setenv("TIDAL_KERNELS", "triton")
     assert not backend.use_triton(torch.zeros(1), "route")
+
+
+@pytest.mark.parametrize("value, forced", [("", False), ("triton", False), ("torch", True), ("torch:route", True),
+                                           ("torch:", False)])
+def test_forces_torch(monkeypatch, value, forced):
+    """Any forced operation keeps the decode graphs off (``build_runner``)."""
+    monkeypatch.setenv("TIDAL_KERNELS", value)
+    assert backend.forces_torch() is forced
