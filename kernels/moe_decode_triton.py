@@ -1,5 +1,5 @@
 """Triton kernels for the MoE of small batches: the router's softmax top-k, and the routed plus shared
-experts as two weight-streaming GEMV kernels.
+experts as weight-streaming GEMV kernels.
 
 Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
 
@@ -7,7 +7,7 @@ At decode sizes a token's ten experts are ten distinct weight matrices read once
 streaming weights at memory bandwidth, and what costs is everything around it (sorting assignments by
 expert, padding them to GEMM tiles, two grouped GEMMs with their setup kernels, the SiLU-gate, the
 combine, and the shared expert's own two GEMMs, gate, sigmoid and add: about 25 launches a layer).
-Here a layer's MoE after the router GEMM is three launches:
+Here a layer's MoE after the router GEMM is four launches:
 
 1. ``_route_kernel``, one program per token: softmax over the expert logits in fp32, the top-k by
    repeated arg-max (ties go to the lower expert id), renormalised if the model says so.
@@ -15,10 +15,13 @@ Here a layer's MoE after the router GEMM is three launches:
    each program takes one (token, expert) assignment (the shared expert is assignment ``K``) and
    ``BLOCK_N`` of its intermediate columns, reads the gate and up rows of that expert against the
    token's ``x``, and writes ``silu(gate) * up`` in ``x``'s dtype.
-3. ``_down_kernel``, grid ``(T, cdiv(H, BLOCK_N))``: for ``BLOCK_N`` output features of one token, the
-   routed experts' ``down`` rows against their activations, summed in a fixed order with the routing
-   weights, plus ``sigmoid(x . shared_gate)`` times the shared expert's; fp32 throughout and one
-   rounding at the end. Deterministic: no atomics, no split-K.
+3. ``_down_kernel``, the same grid over ``H``: one assignment's ``down`` rows against its activation,
+   an fp32 part per assignment (the shared expert's times ``sigmoid(x . shared_gate)``). One program
+   per assignment keeps every expert's read in flight at once: a program that walked a token's ten
+   experts in turn waited for ten dependent HBM round trips (17.5 us a layer at one token, against
+   14.7 us for ``gate_up``'s twice as many bytes; docs/device/2026-11-29e/call6/profile_kernels.log).
+4. ``_combine_kernel``, grid ``(T, cdiv(H, 512))``: the routing-weighted sum of a token's parts in
+   expert order, plus the shared part; fp32 and one rounding at the end. Deterministic: no atomics.
 
 Each assignment reads its expert's weights once, so a batch whose tokens share experts reads those
 weights once per token (from L2 when it can): the kernels serve batches up to
@@ -158,38 +161,61 @@ def _rows_dot(rows, a_row, n_red, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr, out_ptr,
-                 hidden, inter, s_inter, act_width, sx_t, sd_e, so_t,
+def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr,
+                 hidden, inter, s_inter, act_width, sx_t, sd_e,
                  TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+    """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
+    shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``."""
+    a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
+    t = a // per_token
+    k = a % per_token
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     col_off = cols.to(tl.int64)[:, None]
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(TOP_K):
+    if k < TOP_K:
         expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
-        acc += weight * _rows_dot(down_ptr + expert * sd_e + col_off * inter,
-                                  act_ptr + (t * per_token + k) * act_width, inter, cmask, BLOCK_N, BLOCK_K)
-    if SHARED:
+        part = _rows_dot(down_ptr + expert * sd_e + col_off * inter, act_ptr + a * act_width, inter, cmask,
+                         BLOCK_N, BLOCK_K)
+    else:
         ks = tl.arange(0, BLOCK_K)
         gate = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             kmask = k0 + ks < hidden
             xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
             gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        part = _rows_dot(sdown_ptr + col_off * s_inter, act_ptr + (t * per_token + TOP_K) * act_width, s_inter,
-                         cmask, BLOCK_N, BLOCK_K)
-        acc += part / (1.0 + tl.exp(-tl.sum(gate, 0)))
+        part = _rows_dot(sdown_ptr + col_off * s_inter, act_ptr + a * act_width, s_inter, cmask, BLOCK_N, BLOCK_K)
+        part = part / (1.0 + tl.exp(-tl.sum(gate, 0)))
+    tl.store(part_ptr + a * hidden + cols, part, mask=cmask)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``sum_k w_k * part_k`` over a token's routed experts in order, then plus the shared expert's part;
+    fp32, one rounding."""
+    t = tl.program_id(0).to(tl.int64)
+    per_token: tl.constexpr = TOP_K + SHARED
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(TOP_K):
+        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+        acc += weight * tl.load(part_ptr + (t * per_token + k) * hidden + cols, mask=cmask, other=0.0)
+    if SHARED:
+        acc += tl.load(part_ptr + (t * per_token + TOP_K) * hidden + cols, mask=cmask, other=0.0)
     tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# Output features a combine program sums.
+COMBINE_BLOCK = 512
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``, plus
-    ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; two launches.
+    ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; three launches.
 
     Args: x ``[T, H]``; ids, weights ``[T, K]``; gate_up ``[E, 2I, H]`` (gate rows first); down
     ``[E, H, I]``; ``shared = (gate_up_s [2Is, H], down_s [H, Is], gate [1, H] or [H])``. Weights in
@@ -222,10 +248,14 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
         BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps)
-    _down_kernel[(tokens, triton.cdiv(hidden, cfg_b.block_n))](
-        x, act, ids, weights.contiguous(), down, s_down, s_gate, out, hidden, inter, s_inter, width,
-        x.stride(0), down.stride(0), out.stride(0),
+    part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
+    _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
+        x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps)
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        part, weights.contiguous(), out, hidden, out.stride(0), TOP_K=top_k, SHARED=shared is not None,
+        BLOCK_N=block, num_warps=4)
     return out

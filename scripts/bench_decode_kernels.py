@@ -42,6 +42,8 @@ CANDIDATES = [
     (GemvConfig(8, 512, 4), GemvConfig(16, 512, 4)),
     (GemvConfig(16, 512, 4), GemvConfig(16, 512, 4)),
     (GemvConfig(8, 512, 4), GemvConfig(8, 512, 4)),
+    (GemvConfig(8, 512, 4), GemvConfig(32, 512, 4)),
+    (GemvConfig(8, 512, 4), GemvConfig(64, 512, 8)),
 ]
 
 

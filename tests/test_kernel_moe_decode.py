@@ -87,6 +87,16 @@ def test_moe_gemv_equals_the_loop(tokens, with_shared):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_moe_gemv_hidden_wider_than_a_combine_program():
+    """Several combine programs per token, the last one partly masked."""
+    from tidal.kernels.moe_decode_triton import COMBINE_BLOCK
+
+    hidden = COMBINE_BLOCK + 88
+    x, ids, w, gu, d, shared, _ = _case(2, 6, 2, hidden, 16, 16, DEV, torch.float32, seed=5)
+    torch.testing.assert_close(moe_gemv(x, ids, w, gu, d, shared), moe_ref(x, ids, w, gu, d, shared),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_moe_gemv_shared_expert_wider_than_the_routed_ones():
     x, ids, w, gu, d, shared, _ = _case(2, 8, 2, 64, 16, 40, DEV, torch.float32, seed=3)
     torch.testing.assert_close(moe_gemv(x, ids, w, gu, d, shared), moe_ref(x, ids, w, gu, d, shared),
