@@ -8,7 +8,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
-from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
+from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows, row_segments
 from ...kernels.gdn import gdn_gates
 from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
 from ...kernels.norm import gated_rms_norm
@@ -81,7 +81,15 @@ class GatedDeltaNet(nn.Module):
         the state after each piece is exact, never recomputed.
         """
         p = batch.prefill
-        conv = causal_conv1d_varlen(x, conv_slots, weight, p.cu_seqlens, p.slots, p.fresh, max_seqlen=p.max_seqlen)
+        # q, k and v convolved each into its own contiguous tensor (channels are independent), so the
+        # chunked GDN kernel takes them as they are instead of copying three strided views.
+        seg = row_segments(p.cu_seqlens, x.shape[0])
+        parts, lo = [], 0
+        for width in (self.key_dim, self.key_dim, self.value_dim):
+            cols = slice(lo, lo + width)
+            parts.append(causal_conv1d_varlen(x[:, cols], conv_slots[:, :, cols], weight[cols], p.cu_seqlens, p.slots,
+                                              p.fresh, max_seqlen=p.max_seqlen, row_segment=seg))
+            lo += width
         # New conv windows (each segment's end, and internal checkpoints) read the old windows:
         # gather all of them before writing any.
         first = batch.decode.num_segments
@@ -89,7 +97,9 @@ class GatedDeltaNet(nn.Module):
         upto = torch.cat([p.lengths, batch.export_off])
         windows = conv_windows(x, conv_slots, p.cu_seqlens, p.slots, p.fresh, seg_index, upto)
         conv_slots[torch.cat([p.slots, batch.export_dst])] = windows
-        q, k, v = self._split_heads(conv)
+        q = parts[0].unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        k = parts[1].unflatten(-1, (self.num_k_heads, self.head_k_dim))
+        v = parts[2].unflatten(-1, (self.num_v_heads, self.head_v_dim))
         state = rec_slots[p.slots].masked_fill(p.fresh[:, None, None, None], 0)
         for wave in batch.waves:
             if wave.rows is None:
