@@ -95,11 +95,12 @@ class GemvConfig:
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
-# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py
-# (docs/device/2026-11-29e/call2/): 8 / 16 columns and 512-wide reduction tiles won at every size from 1 to 64
-# tokens.
+# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py: gate_up
+# 8 columns and 512-wide reduction tiles at every size from 1 to 64 tokens (docs/device/2026-11-29e/call2/);
+# the per-assignment down kernel 32 columns at 1, 8, 32 and 64 tokens (33.1 / 139.5 / 447.5 / 845.4 us,
+# against 34.1 / 157.4 / 519.0 / 946.0 with 16; docs/device/2026-11-29f/call5/).
 CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
-    (1 << 62, GemvConfig(8, 512, 4), GemvConfig(16, 512, 4)),
+    (1 << 62, GemvConfig(8, 512, 4), GemvConfig(32, 512, 4)),
 )
 
 
