@@ -1,6 +1,6 @@
 """Profile one cold prefill (and a few decode steps) of a preset on the GPU with the torch profiler.
 
-    python scripts/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8] [--stack 4]
+    python scripts/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
 
 Prints the kernels by total CUDA time (the table the closing notes quote) for each phase.
 Weights are seeded random (``--load-format random``), generated on the device.
@@ -29,8 +29,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--stack", type=int, default=0, help="also group the prefill's ops by this many frames of "
-                    "their Python call stack (0: no stacks)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -56,14 +54,10 @@ def main() -> None:
     torch.cuda.synchronize()
     took = time.monotonic() - t0
     print(f"prefill {ns.tokens} tokens: {took * 1e3:.1f} ms, {ns.tokens / took:.0f} tok/s", flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=ns.stack > 0,
-                 record_shapes=ns.stack > 0) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill(2)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
-    if ns.stack:  # which lines of tidal launch the time: ops by their innermost call sites
-        print(prof.key_averages(group_by_stack_n=ns.stack).table(
-            sort_by="self_cuda_time_total", row_limit=ns.rows, max_name_column_width=60, max_src_column_width=100))
 
     # Decode: B requests with 64-token prompts, then single-token steps.
     b = ns.decode_batch
