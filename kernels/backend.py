@@ -49,7 +49,13 @@ KERNELS = (
 
 def _forced_to_torch() -> tuple[bool, frozenset[str]]:
     """(every operation, named operations) that ``TIDAL_KERNELS`` sends to the torch reference."""
-    value = os.environ.get("TIDAL_KERNELS", "").strip().lower()
+    return _parse(os.environ.get("TIDAL_KERNELS", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(value: str) -> tuple[bool, frozenset[str]]:
+    """Parsed once per distinct value: dispatchers ask on every call."""
+    value = value.strip().lower()
     if value == "torch":
         return True, frozenset()
     if not value.startswith("torch:"):
@@ -71,7 +77,9 @@ def forces_torch() -> bool:
 def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
     """True when ``t`` is on CUDA, triton imports and ``TIDAL_KERNELS`` sends neither every operation
     nor ``name`` (one of :data:`KERNELS`) to the torch reference."""
-    every, names = _forced_to_torch()  # first: a misspelt name is an error on any device
-    if not t.is_cuda or every or (name is not None and name in names):
+    if not t.is_cuda:  # the CPU path never runs a kernel: no environment read on its every call
+        return False
+    every, names = _forced_to_torch()
+    if every or (name is not None and name in names):
         return False
     return _triton_importable()
