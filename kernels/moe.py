@@ -23,7 +23,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 TRITON_MAX_ASSIGNMENTS = 0
 
 # On CUDA, forwards of generated-token decodes only (``ForwardBatch.decode_only``) of at most this many
-# tokens run the routed and shared experts as the two GEMV kernels of ``moe_decode_triton`` (each
+# tokens run the routed and shared experts as the GEMV kernels of ``moe_decode_triton`` (each
 # assignment streams its expert's weights once, sums in fp32 and rounds once); larger forwards, and every
 # forward with a prompt row, take the grouped GEMM. So a prompt's rows compute alike however it is
 # chunked or cached; a decode row's rounding depends on whether its forward was decode-only. Measured on

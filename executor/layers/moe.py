@@ -78,7 +78,7 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
         if decode and experts.store is None and gemv_applies(x, experts.gate_up_proj):
-            # Small decode batches: routed and shared experts, gate and sum in two GEMV launches.
+            # Small decode batches: routed and shared experts, gate and sum in three GEMV-shaped launches.
             from ...kernels.moe_decode_triton import moe_gemv
 
             inter = shared.gate_proj.weight.shape[0]
