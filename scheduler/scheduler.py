@@ -27,7 +27,7 @@ from ..messages import (
     Usage,
 )
 from ..sizing import PoolSizes
-from .checkpoint_plan import CheckpointPlan, plan_prompt
+from .checkpoint_plan import CheckpointPlan, chunk_step, plan_prompt
 from .hc_shard import hc_shard_decision
 from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool
@@ -177,7 +177,8 @@ class Scheduler:
         decodes = ahead > 0 or any(self.requests[s.rid].prefill_done for s in segments)
         shard, _ = hc_shard_decision(self.args, rows, decodes)
         return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
-                     chunk_size=self.args.max_prefill_length if mode == "layer_major" else 0, hc_shard=shard)
+                     chunk_size=chunk_step(self.args.max_prefill_length) if mode == "layer_major" else 0,
+                     hc_shard=shard)
 
     @staticmethod
     def _prompt_targets(req: Request, start: int, end: int) -> dict:

@@ -92,3 +92,24 @@ def test_checkpoint_restore_continues_exactly(tiny_checkpoint, prompt, device, i
     a = _forward(runner, 0, PROMPT, [nxt], pages_a)
     b = _forward(runner, 5, PROMPT, [nxt], pages_b)
     assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_bf16_prompt_split_on_gdn_blocks_equals_one_forward(tiny_checkpoint):
+    """In bf16, where any difference in how a prompt is split shows in the rounding, limits that are
+    not multiples of 64 cut forwards at multiples of 64 (the chunked GDN kernels' block), and the
+    logits equal one forward's bitwise; so do greedy ids, cold, in chunks and after a prefix-cache hit.
+    (Cut at 300 itself, the same check moved logits by up to 0.28.)"""
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(1000, 240000, (700,), generator=gen)
+    ids[350] = 248046
+    prompt = ids.tolist()
+    cold = LLM(tiny_checkpoint, device="cpu", dtype="bfloat16")
+    want = cold.score(prompt)
+    want_ids = cold.generate([prompt], max_tokens=12, ignore_eos=True)[0]
+    before = cold.scheduler.counters["cached_tokens"]
+    assert cold.generate([prompt], max_tokens=12, ignore_eos=True)[0] == want_ids
+    assert cold.scheduler.counters["cached_tokens"] - before == 640
+    for limit in (300, 100):
+        llm = LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", max_prefill_length=limit)
+        assert torch.equal(llm.score(prompt), want), limit
+        assert llm.generate([prompt], max_tokens=12, ignore_eos=True)[0] == want_ids, limit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tidal import LLM
@@ -21,7 +22,21 @@ def test_plan_coalesced_keeps_one_forward():
     p = plan_prompt(1000, cached=0, max_chunk=8192, align=64, coalesce=True, checkpoint=True)
     assert p.chunks == [(0, 1000)] and p.checkpoints == [960]
     p = plan_prompt(1000, cached=0, max_chunk=300, align=64, coalesce=True, checkpoint=True)
-    assert p.chunks == [(0, 300), (300, 600), (600, 900), (900, 1000)]
+    assert p.chunks == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+
+
+@pytest.mark.parametrize("max_chunk, cached, want", [
+    (1000, 0, [(0, 960), (960, 1920), (1920, 2048)]),  # forwards end on multiples of 64
+    (1024, 0, [(0, 1024), (1024, 2048)]),
+    (1000, 1984, [(1984, 2048)]),
+    (100, 1920, [(1920, 1984), (1984, 2048)]),  # from a cached prefix (a multiple of 64) on
+    (40, 0, [(0, 40), (40, 80)]),  # a limit below one block is kept as it is
+])
+def test_plan_forwards_end_on_gdn_blocks(max_chunk, cached, want):
+    p = plan_prompt(2048 if want[-1][1] == 2048 else 80, cached=cached, max_chunk=max_chunk, align=64,
+                    coalesce=True, checkpoint=False)
+    assert p.chunks == want
+    assert all(hi - lo <= max_chunk for lo, hi in p.chunks)
 
 
 def test_plan_limits_and_branch_point():

@@ -32,28 +32,41 @@ def req(rid, n, max_tokens=4, **kw):
 
 
 def test_plan_chunks_and_prefill_budget(make):
+    sched, events = make(max_prefill_length=128, max_running_requests=4, disable_prefix_cache=True)
+    sched.add_request(req("a", 320))
+    sched.add_request(req("b", 30))
+    batch = sched.schedule()
+    admitted = {e.rid: e for e in events if isinstance(e, PromptAdmitted)}
+    assert admitted["a"].plan.chunks == [[0, 128], [128, 256], [256, 320]]
+    assert admitted["b"].plan.chunks == [[0, 30]]
+    assert admitted["a"].plan.mode == "chunked" and admitted["a"].cached_tokens == 0
+    assert admitted["a"].plan.checkpoints == []
+    # Turn 1: only a's first chunk fits the 128-token budget.
+    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 128)]
+    fake_run(sched, batch)
+    batch = sched.schedule()
+    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 128, 128)]
+    fake_run(sched, batch)
+    batch = sched.schedule()
+    assert [(s.rid, s.start, len(s.token_ids), s.sample) for s in batch.segments] == [
+        ("a", 256, 64, True), ("b", 0, 30, True)]
+    fake_run(sched, batch)
+    # Both decode together, every turn.
+    batch = sched.schedule()
+    assert [(s.rid, s.start, s.token_ids) for s in batch.segments] == [("a", 320, [7]), ("b", 30, [7])]
+
+
+def test_prompt_forwards_end_on_multiples_of_64(make):
+    """A limit that is not a multiple of 64 cuts forwards at the multiple below it (the GDN kernels'
+    block), and the plan says so; the turn budget stays the limit."""
     sched, events = make(max_prefill_length=100, max_running_requests=4, disable_prefix_cache=True)
     sched.add_request(req("a", 250))
     sched.add_request(req("b", 30))
     batch = sched.schedule()
-    admitted = {e.rid: e for e in events if isinstance(e, PromptAdmitted)}
-    assert admitted["a"].plan.chunks == [[0, 100], [100, 200], [200, 250]]
-    assert admitted["b"].plan.chunks == [[0, 30]]
-    assert admitted["a"].plan.mode == "chunked" and admitted["a"].cached_tokens == 0
-    assert admitted["a"].plan.checkpoints == []
-    # Turn 1: only a's first chunk fits the 100-token budget.
-    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 100)]
-    fake_run(sched, batch)
-    batch = sched.schedule()
-    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 100, 100)]
-    fake_run(sched, batch)
-    batch = sched.schedule()
-    assert [(s.rid, s.start, len(s.token_ids), s.sample) for s in batch.segments] == [
-        ("a", 200, 50, True), ("b", 0, 30, True)]
-    fake_run(sched, batch)
-    # Both decode together, every turn.
-    batch = sched.schedule()
-    assert [(s.rid, s.start, s.token_ids) for s in batch.segments] == [("a", 250, [7]), ("b", 30, [7])]
+    plan = next(e for e in events if isinstance(e, PromptAdmitted) and e.rid == "a").plan
+    assert plan.chunks == [[0, 64], [64, 128], [128, 192], [192, 250]]
+    assert "forwards of 64" in plan.reason
+    assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 64), ("b", 0, 30)]
 
 
 def test_finish_by_length_and_eos_frees_everything(make):
