@@ -11,6 +11,7 @@ and the plan says why.
 from __future__ import annotations
 
 from ..args import ServerArgs
+from .checkpoint_plan import chunk_step
 
 
 def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool) -> tuple[bool, str]:
@@ -33,4 +34,4 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
     for ok, why in checks:
         if not ok:
             return False, f"chunked: {why}"
-    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk}"
+    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}"
