@@ -330,6 +330,7 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
             last.append(llm.runner.execute(Batch(batch_id=0, segments=[spec])).token_ids[0])
         pos = context
         times = []
+        replays = llm.runner.graphs.steps if llm.runner.graphs is not None else 0
         for step in range(DECODE_WARMUP + steps):
             batch = Batch(batch_id=step, segments=[
                 SegmentSpec(rid=f"decode-{i}", slot=i, start=pos, token_ids=[last[i]], pages=pages[i], sample=True,
@@ -343,10 +344,17 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
                 times.append(time.perf_counter() - t0)
             pos += 1
         sec = statistics.median(times)
+        # Steps the fixed-shape (graph) path ran: every one when graphs are on; fewer means steps that the
+        # runner did not take for decodes of generated tokens ran eagerly, and the arm measured those.
+        replays = (llm.runner.graphs.steps if llm.runner.graphs is not None else 0) - replays
+        if graphs and replays != DECODE_WARMUP + steps:
+            print(f"decode graphs on batch {size}: only {replays} of {DECODE_WARMUP + steps} steps ran from the "
+                  f"graph path", flush=True)
         mean_context = context + DECODE_WARMUP + (steps - 1) / 2
         terms = decode_bytes(c, size, mean_context, elem)
         floor = sum(terms.values()) / bandwidth
-        rows.append({"cuda_graph": graphs, "batch": size, "context": mean_context, "step_ms": sec * 1e3,
+        rows.append({"cuda_graph": graphs, "graph_steps": replays, "batch": size, "context": mean_context,
+                     "step_ms": sec * 1e3,
                      "steps_ms": [t * 1e3 for t in times], "tok_s": size / sec, "floor_bytes": sum(terms.values()),
                      "floor_bytes_terms": terms, "floor_ms": floor * 1e3, "floor_fraction": floor / sec})
         print(f"decode graphs {'on' if graphs else 'off'} batch {size}: {sec * 1e3:.2f} ms/step, "

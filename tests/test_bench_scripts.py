@@ -127,3 +127,25 @@ def test_profile_decode_runs_on_cpu(tmp_path):
     for r in rows:
         assert r["steps"] == 3 and r["tok_per_s"] > 0
         assert math.isclose(r["gpu_busy_ms_per_step"] + r["gpu_idle_ms_per_step"], r["wall_ms_per_step"])
+
+
+def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monkeypatch):
+    """The benchmark's decode steps are decodes of generated tokens, so the runner's fixed-shape path
+    (what a GPU replays as CUDA graphs; eager here) takes every one of them."""
+    import importlib.util
+
+    import torch
+
+    from tidal import LLM
+    from tidal.config import ModelConfig
+
+    spec = importlib.util.spec_from_file_location("bench_forward", os.path.join(SCRIPTS, "bench_forward.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    llm = LLM(tiny_checkpoint, max_running_requests=2)
+    llm.runner.use_graphs(2, 64, capture=False)
+    rows = bench.bench_decode(llm, ModelConfig.from_file(tiny_checkpoint), [1, 2], 20, 2, torch.device("cpu"),
+                              bandwidth=1e9, elem=4, graphs=True)
+    assert [r["graph_steps"] for r in rows] == [bench.DECODE_WARMUP + 2] * 2
+    assert llm.runner.graphs.steps == 2 * (bench.DECODE_WARMUP + 2)
