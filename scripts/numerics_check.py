@@ -14,7 +14,8 @@ Gates (the seed write-up's teacher-forced protocol, fp32 as the baseline):
   the bf16 argmax equals the fp32 argmax; >= 0.99 (and at least one such position);
 * ``mean_abs_nll_diff``: mean over positions of |NLL_bf16 - NLL_fp32| of the next prompt token; <= 0.02;
 * ``greedy_ids_equal``: in bf16, ``--greedy-tokens`` greedy ids (``ignore_eos``) of the cold prompt equal
-  those with ``max_prefill_length=--chunk`` and those of the same prompt run again on the cold run's
+  those with ``max_prefill_length=--chunk`` (forwards of ``--chunk`` rounded down to a multiple of 64:
+  960 tokens by default) and those of the same prompt run again on the cold run's
   LLM, which hits the prefix cache (its ``cached_tokens`` counter is reported and must be > 0 when the
   scheduler exposes counters).
 
