@@ -218,8 +218,8 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length in tokens (default: the config's max_position_embeddings)")
     p.add_argument("--max-prefill-length", type=_optional_int, default=d.max_prefill_length,
-                   help="prompt tokens per scheduling turn; forwards and internal chunks hold this many rounded down "
-                        "to a multiple of 64 (the GDN kernels' block); 'none' for no limit")
+                   help="prompt tokens per scheduling turn; forwards and internal chunks end on multiples of 64 "
+                        "tokens within it (the GDN kernels' block) when it is at least 64; 'none' for no limit")
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
                    help="requests decoding or prefilling at once (each holds a state slot)")
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,

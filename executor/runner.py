@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..chunking import chunk_bounds
 from ..config import ModelConfig
 from ..faults import scripted_output
 from ..kernels.backend import forces_torch
@@ -234,6 +235,9 @@ class ModelRunner:
     def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):
         """One long segment, each decoder layer over all its internal chunks before the next layer.
 
+        Internal chunks are cut as the scheduler cuts chunked forwards (``chunking.chunk_bounds`` of at
+        most ``chunk`` rows), so layer-major and chunked prefill run the same blocks.
+
         Internal chunks keep their absolute positions and the outer checkpoint plan projected onto
         them: an export inside a chunk is that chunk's internal export; one at a chunk boundary is
         copied per layer right after the layer finishes that chunk (the slot moves on with the next
@@ -248,8 +252,8 @@ class ModelRunner:
         eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
         ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
         chunks, boundary_exports = [], []
-        for lo in range(0, seg.length, chunk):
-            hi = min(lo + chunk, seg.length)
+        cuts = [b - seg.start for b in chunk_bounds(seg.start, seg.start + seg.length, chunk)]
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
                            exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
             chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,

@@ -4,7 +4,8 @@ Triton kernels run only for CUDA tensors, and only where ``triton`` imports; eve
 CPU serving path, a machine without triton) takes the torch reference. Setting the environment
 variable ``TIDAL_KERNELS=torch`` forces the reference on a GPU too, to bisect a numerical
 difference or to measure what a kernel buys; ``TIDAL_KERNELS=torch:route,qsa_select`` forces only the
-named operations (:data:`KERNELS` lists the names). It is read on every call, so a test can flip it.
+named operations (:data:`KERNELS` lists the names). It is read on every call, so a test can flip it
+(a decode step replayed from a CUDA graph keeps the kernels it was captured with).
 
 Triton is imported here only to check that it is there, and only once a CUDA tensor asks: the CPU
 path never imports it.
@@ -49,17 +50,22 @@ KERNELS = (
 
 def _forced_to_torch() -> tuple[bool, frozenset[str]]:
     """(every operation, named operations) that ``TIDAL_KERNELS`` sends to the torch reference."""
-    return _parse(os.environ.get("TIDAL_KERNELS", ""))
+    return parse_setting(os.environ.get("TIDAL_KERNELS", ""))
 
 
 @functools.lru_cache(maxsize=8)
-def _parse(value: str) -> tuple[bool, frozenset[str]]:
-    """Parsed once per distinct value: dispatchers ask on every call."""
+def parse_setting(value: str) -> tuple[bool, frozenset[str]]:
+    """``(every operation, named operations)`` for a ``TIDAL_KERNELS`` value: empty or ``triton`` (the
+    kernels), ``torch`` (every reference) or ``torch:NAME,...``; anything else is an error. Parsed once
+    per distinct value: dispatchers ask on every call."""
     value = value.strip().lower()
+    if value in ("", "triton"):
+        return False, frozenset()
     if value == "torch":
         return True, frozenset()
     if not value.startswith("torch:"):
-        return False, frozenset()
+        raise ValueError(f"TIDAL_KERNELS={value!r}: expected 'triton', 'torch' or 'torch:NAME,...' "
+                         f"with names from {', '.join(KERNELS)}")
     names = frozenset(n.strip() for n in value[len("torch:"):].split(",") if n.strip())
     unknown = sorted(names - set(KERNELS))
     if unknown:

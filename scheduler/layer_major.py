@@ -11,7 +11,7 @@ and the plan says why.
 from __future__ import annotations
 
 from ..args import ServerArgs
-from .checkpoint_plan import chunk_step
+from ..chunking import chunk_step
 
 
 def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool) -> tuple[bool, str]:
@@ -27,7 +27,7 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
         (others == 0, f"{others} other request(s) running or waiting"),
         (not want_logits, "every prompt row is needed (scoring or prompt log-probabilities)"),
         (chunk is not None and new_tokens > chunk,
-         f"{new_tokens} new tokens fit one chunk (--max-prefill-length {chunk})"),
+         f"{new_tokens} new tokens within --max-prefill-length {chunk}"),
         (new_tokens <= args.layer_major_max_tokens,
          f"{new_tokens} new tokens exceed --layer-major-max-tokens {args.layer_major_max_tokens}"),
     ]

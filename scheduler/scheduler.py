@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from ..args import ServerArgs
+from ..chunking import chunk_step
 from ..config import ModelConfig
 from ..messages import (
     Batch,
@@ -27,7 +28,7 @@ from ..messages import (
     Usage,
 )
 from ..sizing import PoolSizes
-from .checkpoint_plan import CheckpointPlan, chunk_step, plan_prompt
+from .checkpoint_plan import CheckpointPlan, plan_prompt
 from .hc_shard import hc_shard_decision
 from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool

@@ -46,8 +46,10 @@ from typing import Any
 import torch
 
 from tidal import LLM
+from tidal.chunking import chunk_step
 from tidal.config import ModelConfig
 from tidal.executor.presets import write_checkpoint
+from tidal.kernels.backend import parse_setting
 
 MARGIN = 0.2
 MIN_AGREEMENT = 0.99
@@ -152,8 +154,10 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     free(device)
     llm = LLM(ckpt, device=device, dtype="bfloat16", max_prefill_length=chunk)
     chunked = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
-    # What chunking alone changes: the same sequence scored in chunks against in one forward.
-    diff = (llm.score(sequence)[chunk:] - whole[chunk:]).abs()
+    # What chunking alone changes: the same sequence scored in chunks against in one forward, over the
+    # rows after the first forward (empty when one forward holds the whole sequence).
+    diff = (llm.score(sequence)[chunk_step(chunk):] - whole[chunk_step(chunk):]).abs().flatten()
+    diff = diff if diff.numel() else torch.zeros(1)
     del llm, whole
     free(device)
     out: dict[str, Any] = {"cold": cold, "chunked": chunked, "cached": cached, "chunk": chunk, "cached_tokens": hit,
@@ -187,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bisect", default="", help="';'-separated TIDAL_KERNELS values (e.g. 'torch;torch:moe,route'): "
                     "the greedy runs again under each, to find the kernel a greedy difference comes from")
     ns = ap.parse_args(argv)
+    bisect_values = [v.strip() for v in ns.bisect.split(";") if v.strip()]
+    for value in bisect_values:  # a typo fails now, not after the scoring
+        parse_setting(value)
+    if bisect_values and not ns.device.startswith("cuda"):
+        print("--bisect: the CPU runs the torch references whatever TIDAL_KERNELS says", flush=True)
     # The fp32 baseline is exact fp32: no TF32 in matmuls or cuDNN convs.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         del fp32, bf16
         ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
         bisect = {}
-        for value in filter(None, (v.strip() for v in ns.bisect.split(";"))):
+        for value in bisect_values:
             previous = os.environ.get("TIDAL_KERNELS")
             os.environ["TIDAL_KERNELS"] = value
             try:

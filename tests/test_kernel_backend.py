@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
-import re
 
 import pytest
 import torch
@@ -20,33 +20,48 @@ ROOT = pathlib.Path(backend.__file__).resolve().parents[1]
     (" Torch ", True, set()),
     ("torch:route,qsa_select", False, {"route", "qsa_select"}),
     ("torch: moe_gemv , ", False, {"moe_gemv"}),
+    ("torch:", False, set()),
 ])
 def test_forced_names_parse(monkeypatch, value, every, names):
     monkeypatch.setenv("TIDAL_KERNELS", value)
     assert backend._forced_to_torch() == (every, frozenset(names))
 
 
-def test_unknown_name_is_an_error_listing_the_known_ones(monkeypatch):
-    monkeypatch.setenv("TIDAL_KERNELS", "torch:route,flash")
-    with pytest.raises(ValueError, match=r"\['flash'\].*known: attention, conv"):
+@pytest.mark.parametrize("value, match", [
+    ("torch:route,flash", r"\['flash'\].*known: attention, conv"),
+    ("route", "expected 'triton', 'torch' or 'torch:NAME"),
+    ("torch route", "expected"),
+    ("torch;moe", "expected"),
+])
+def test_bad_values_are_errors(monkeypatch, value, match):
+    monkeypatch.setenv("TIDAL_KERNELS", value)
+    with pytest.raises(ValueError, match=match):
         backend.forces_torch()
 
 
-def test_every_dispatch_names_a_known_operation():
-    """Each ``use_triton`` call in the package names an operation ``TIDAL_KERNELS`` can force, so
-    bisecting by name reaches every kernel."""
+def _dispatches() -> list[tuple[str, ast.Call]]:
     calls = []
-    for path in ROOT.rglob("*.py"):
-        if "tests" in path.parts or path.name == "backend.py":
-            continue
-        for m in re.finditer(r"use_triton\(([^()]*)\)", path.read_text()):
-            calls.append((path.name, m.group(1)))
+    for folder in ("kernels", "executor"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.name == "backend.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) \
+                        == "use_triton":
+                    calls.append((f"{path.name}:{node.lineno}", node))
+    return calls
+
+
+def test_every_dispatch_names_a_known_operation():
+    """Each ``use_triton`` call in the kernels and the executor names an operation ``TIDAL_KERNELS`` can
+    force, so bisecting by name reaches every kernel, and every name is used."""
+    calls = _dispatches()
     assert len(calls) >= 20
-    for name, args in calls:
-        parts = [a.strip() for a in args.split(",")]
-        assert len(parts) == 2, (name, args)
-        assert parts[1].strip('"') in backend.KERNELS, (name, args)
-    used = {a.split(",")[1].strip().strip('"') for _, a in calls}
+    used = set()
+    for where, call in calls:
+        assert len(call.args) == 2 and isinstance(call.args[1], ast.Constant), where
+        assert call.args[1].value in backend.KERNELS, where
+        used.add(call.args[1].value)
     assert used == set(backend.KERNELS)
 
 
@@ -58,6 +73,6 @@ def test_cpu_tensors_take_the_reference_whatever_the_setting(monkeypatch):
 @pytest.mark.parametrize("value, forced", [("", False), ("triton", False), ("torch", True), ("torch:route", True),
                                            ("torch:", False)])
 def test_forces_torch(monkeypatch, value, forced):
-    """Any forced operation keeps the decode graphs off (``build_runner``)."""
+    """What ``build_runner`` asks before it captures decode graphs."""
     monkeypatch.setenv("TIDAL_KERNELS", value)
     assert backend.forces_torch() is forced

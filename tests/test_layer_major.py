@@ -44,7 +44,7 @@ def test_default_off():
 
 
 @pytest.mark.parametrize("kw,new,others,eligible,words", [
-    ({}, 4096, 0, False, "fit one chunk"),                  # == --max-prefill-length: chunked
+    ({}, 4096, 0, False, "within --max-prefill-length"),    # == --max-prefill-length: chunked
     ({}, 4097, 0, True, "layer-major"),                     # one more: layer-major
     ({}, 32768, 0, True, "layer-major"),                    # at the cap
     ({}, 32769, 0, False, "--layer-major-max-tokens"),      # over the cap

@@ -31,10 +31,11 @@ def test_plan_coalesced_keeps_one_forward():
     (1000, 1984, [(1984, 2048)]),
     (100, 1920, [(1920, 1984), (1984, 2048)]),  # from a cached prefix (a multiple of 64) on
     (40, 0, [(0, 40), (40, 80)]),  # a limit below one block is kept as it is
+    (1000, 688, [(688, 1600), (1600, 2048)]),  # a hit off a block boundary: only the first forward is short
+    (100, 1000, [(1000, 1024), (1024, 1088)]),
 ])
 def test_plan_forwards_end_on_gdn_blocks(max_chunk, cached, want):
-    p = plan_prompt(2048 if want[-1][1] == 2048 else 80, cached=cached, max_chunk=max_chunk, align=64,
-                    coalesce=True, checkpoint=False)
+    p = plan_prompt(want[-1][1], cached=cached, max_chunk=max_chunk, align=64, coalesce=True, checkpoint=False)
     assert p.chunks == want
     assert all(hi - lo <= max_chunk for lo, hi in p.chunks)
 

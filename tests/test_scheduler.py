@@ -65,8 +65,19 @@ def test_prompt_forwards_end_on_multiples_of_64(make):
     batch = sched.schedule()
     plan = next(e for e in events if isinstance(e, PromptAdmitted) and e.rid == "a").plan
     assert plan.chunks == [[0, 64], [64, 128], [128, 192], [192, 250]]
-    assert "forwards of 64" in plan.reason
+    assert "forwards end on multiples of 64" in plan.reason
     assert [(s.rid, s.start, len(s.token_ids)) for s in batch.segments] == [("a", 0, 64), ("b", 0, 30)]
+
+
+def test_layer_major_internal_chunks_end_on_multiples_of_64(make):
+    sched, events = make(max_prefill_length=100, prefill_layer_major=True, moe_strategy="offload",
+                         disable_prefix_cache=True)
+    sched.add_request(req("a", 300))
+    batch = sched.schedule()
+    assert batch.mode == "layer_major" and batch.chunk_size == 64
+    assert [(s.start, len(s.token_ids)) for s in batch.segments] == [(0, 300)]
+    plan = next(e for e in events if isinstance(e, PromptAdmitted)).plan
+    assert "internal chunks of 64" in plan.reason
 
 
 def test_finish_by_length_and_eos_frees_everything(make):
