@@ -23,6 +23,10 @@ The fp32 baseline runs on the device's default kernels; where they refuse fp32 (
 chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERNELS=torch``), and
 ``teacher_forced.fp32_kernels`` says which. TF32 is off for it.
 
+It also reports, without gating, whether the device's GEMMs (dense and grouped) give a row the same
+result whatever the number of rows beside it: the remaining condition for chunked prefill to compute
+exactly what one forward does.
+
 Where a greedy run leaves the cold ids it prints the output index and the cold run's bf16 top-2 margin
 there. ``--bisect`` runs the greedy part again under each listed ``TIDAL_KERNELS`` value (whole runs
 on the references, or named operations only) and reports which keep the ids equal; it does not change
@@ -175,6 +179,35 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     return out
 
 
+def gemm_row_invariance(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Whether a GEMM row's result depends on how many rows share the GEMM (what batch-invariant chunked
+    prefill needs): rows of ``x[:m] @ w.T`` against the same rows of ``x @ w.T``, for the row counts a
+    2,048-token prompt in chunks of 960 meets, at the `small`/`bench` projection widths; and a grouped
+    GEMM whose groups hold fewer rows. Informational: reported, not a gate."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    out: dict[str, Any] = {}
+    for k, n in ((2048, 8192), (2048, 2048), (4096, 2048)):
+        x = torch.randn(2048, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
+        whole = torch.nn.functional.linear(x, w)
+        for m in (1, 64, 128, 960):
+            part = torch.nn.functional.linear(x[:m], w)
+            out[f"linear {m}x{k}x{n}"] = float((part.float() - whole[:m].float()).abs().max())
+    from tidal.kernels.moe import _grouped_mm, grouped_mm_supported
+
+    x = torch.randn(2048, 1024, generator=gen).to(device, dtype)
+    if _grouped_mm is not None and grouped_mm_supported(x):
+        w = (torch.randn(8, 512, 1024, generator=gen) / 32).to(device, dtype)
+        full = _grouped_mm(x, w.transpose(1, 2), offs=torch.arange(256, 2049, 256, device=device, dtype=torch.int32))
+        half = _grouped_mm(x[:1024], w.transpose(1, 2),
+                           offs=torch.tensor([128 * (i + 1) for i in range(8)], device=device, dtype=torch.int32))
+        # Rows 0..127 are expert 0's in both; the rest of the groups are smaller in ``half``.
+        out["grouped 128 of 256 rows, expert 0"] = float((half[:128].float() - full[:128].float()).abs().max())
+    for name, value in out.items():
+        print(f"gemm rows: {name}: max |part - whole| {value:.3g}", flush=True)
+    return out
+
+
 def gate(name: str, value: Any, threshold: str, ok: bool) -> dict[str, Any]:
     print(f"{'PASS' if ok else 'FAIL'} {name}: {value} ({threshold})", flush=True)
     return {"name": name, "value": value, "threshold": threshold, "pass": ok}
@@ -212,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         forced["fp32_kernels"] = fp32_kernels
         del fp32, bf16
         ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
+        gemm_rows = gemm_row_invariance(ns.device)
         bisect = {}
         for value in bisect_values:
             previous = os.environ.get("TIDAL_KERNELS")
@@ -245,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                  "device": ns.device, "device_name": torch.cuda.get_device_name(ns.device)
                  if ns.device.startswith("cuda") else "cpu", "torch": torch.__version__,
                  "seconds": time.monotonic() - t0},
-        "teacher_forced": forced, "greedy": ids, "greedy_bisect": bisect, "gates": gates, "pass": passed,
+        "teacher_forced": forced, "greedy": ids, "greedy_bisect": bisect, "gemm_row_invariance": gemm_rows,
+        "gates": gates, "pass": passed,
     }
     with open(path, "w") as f:
         json.dump(results, f, indent=2)
