@@ -3,8 +3,8 @@
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
 # them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
-# --bisect list). Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics ...]   (default: tests profile floor)
+# --bisect list); qsa: the QSA rows split by key range (scripts/tune_attention.py). Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics|qsa ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -18,7 +18,7 @@ for part in $parts; do
     kernels)
       timeout ${KTEST_LIMIT:-200} python3 -m pytest -p no:cacheprovider -q ${KTESTS:-tests/test_kernel_moe_decode.py \
         tests/test_kernel_qsa_select.py tests/test_kernel_moe.py tests/test_kernel_moe_triton.py \
-        tests/test_kernel_ngram_qsa.py tests/test_kernel_hc_norm.py tests/test_kernel_conv_gdn.py} > $OUT/kernel_tests.log 2>&1; echo "kernel tests rc $?" >> $OUT/kernel_tests.log
+        tests/test_kernel_ngram_qsa.py tests/test_kernel_hc_norm.py tests/test_kernel_conv_gdn.py tests/test_kernel_attention.py} > $OUT/kernel_tests.log 2>&1; echo "kernel tests rc $?" >> $OUT/kernel_tests.log
       tail -4 $OUT/kernel_tests.log
       timeout ${KBENCH_LIMIT:-200} python3 scripts/bench_decode_kernels.py --out $OUT > $OUT/bench_decode_kernels.log 2>&1
       echo "kernel bench rc $?" >> $OUT/bench_decode_kernels.log
@@ -40,6 +40,10 @@ for part in $parts; do
         --contexts 16,8192 --tokens 128 --arms graphs,graphs-no-overlap,eager > $OUT/bench_decode_server.log 2>&1
       echo "server rc $?" >> $OUT/bench_decode_server.log
       grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
+    qsa)
+      timeout ${QSA_LIMIT:-120} python3 scripts/tune_attention.py --key-splits 1,2,4 --no-configs \
+        > $OUT/tune_attention.log 2>&1; echo "tune rc $?" >> $OUT/tune_attention.log
+      cat $OUT/tune_attention.log ;;
     numerics)
       timeout ${NUM_LIMIT:-150} python3 scripts/numerics_check.py --out $OUT/num ${NUM_BISECT:+--bisect "$NUM_BISECT"} > $OUT/numerics.log 2>&1
       echo "numerics rc $?" >> $OUT/numerics.log
