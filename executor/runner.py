@@ -361,18 +361,24 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
         for e in experts.values():
             e.store = store
     runner = ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
-    # Graphs replay a fixed sequence of device work: not with experts or PLE rows fetched from the
-    # host, not across ranks (the collectives are issued eagerly), and not while TIDAL_KERNELS sends
-    # operations to torch references that read values back to the host.
-    graphs = (torch.device(device).type == "cuda" and not args.disable_cuda_graph and store is None
-              and args.ple_backend == "gpu" and tp().size == 1)
-    if graphs and forces_torch():
-        logger.warning("TIDAL_KERNELS=%s: decode runs without CUDA graphs", os.environ.get("TIDAL_KERNELS"))
-        graphs = False
-    if graphs:
+    if decode_graphs(args, device, offloaded=store is not None, ranks=tp().size):
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
     return runner
+
+
+def decode_graphs(args, device: str, offloaded: bool, ranks: int) -> bool:
+    """Whether decode batches replay CUDA graphs. Graphs replay a fixed sequence of device work: not
+    with experts or PLE rows fetched from the host, not across ranks (the collectives are issued
+    eagerly), and not while TIDAL_KERNELS sends operations to torch references that read values back
+    to the host."""
+    if (torch.device(device).type != "cuda" or args.disable_cuda_graph or offloaded or args.ple_backend != "gpu"
+            or ranks != 1):
+        return False
+    if forces_torch():
+        logger.warning("TIDAL_KERNELS=%s: decode runs without CUDA graphs", os.environ.get("TIDAL_KERNELS"))
+        return False
+    return True
 
 
 def expert_cache_auto(args, config: ModelConfig, kv: KVPool, experts: dict, device: str) -> int:

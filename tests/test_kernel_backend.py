@@ -76,3 +76,24 @@ def test_forces_torch(monkeypatch, value, forced):
     """What ``build_runner`` asks before it captures decode graphs."""
     monkeypatch.setenv("TIDAL_KERNELS", value)
     assert backend.forces_torch() is forced
+
+
+@pytest.mark.parametrize("value, kw, want", [
+    ("", {}, True),
+    ("torch", {}, False),
+    ("torch:route", {}, False),
+    ("", {"disable_cuda_graph": True}, False),
+    ("", {"ple_backend": "pinned"}, False),
+])
+def test_decode_graphs_decision(monkeypatch, value, kw, want):
+    """``build_runner`` captures decode graphs on CUDA only while no operation is forced onto a torch
+    reference (and with graphs enabled, resident PLE, one rank)."""
+    from tidal.args import ServerArgs
+    from tidal.executor.runner import decode_graphs
+
+    monkeypatch.setenv("TIDAL_KERNELS", value)
+    args = ServerArgs(**kw)
+    assert decode_graphs(args, "cuda", offloaded=False, ranks=1) is want
+    assert decode_graphs(args, "cpu", offloaded=False, ranks=1) is False
+    assert decode_graphs(args, "cuda", offloaded=True, ranks=1) is False
+    assert decode_graphs(args, "cuda", offloaded=False, ranks=2) is False
