@@ -25,10 +25,9 @@ def chunk_bounds(start: int, end: int, max_chunk: int | None) -> list[int]:
     one block, so that a ``start`` off a block boundary only shortens the first forward."""
     if not max_chunk:
         return [start, end]
-    step = chunk_step(max_chunk)
+    step, aligned = chunk_step(max_chunk), max_chunk >= CHUNK_ALIGN
     bounds = [start]
     while bounds[-1] < end:
         lo = bounds[-1]
-        hi = (lo + step) // CHUNK_ALIGN * CHUNK_ALIGN if step % CHUNK_ALIGN == 0 else lo + step
-        bounds.append(min(end, hi if hi > lo else lo + step))
+        bounds.append(min(end, (lo + step) // CHUNK_ALIGN * CHUNK_ALIGN if aligned else lo + step))
     return bounds

@@ -8,7 +8,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
-from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows, row_segments
+from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.gdn import gdn_gates
 from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
 from ...kernels.norm import gated_rms_norm
@@ -83,7 +83,7 @@ class GatedDeltaNet(nn.Module):
         p = batch.prefill
         # q, k and v convolved each into its own contiguous tensor (channels are independent), so the
         # chunked GDN kernel takes them as they are instead of copying three strided views.
-        seg = row_segments(p.cu_seqlens, x.shape[0])
+        seg = batch.row_segment[p.rows] - p.seg0  # each prefill row's segment within the prefill group
         parts, lo = [], 0
         for width in (self.key_dim, self.key_dim, self.value_dim):
             cols = slice(lo, lo + width)
