@@ -2,7 +2,10 @@
 
     python scripts/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
 
-Prints the kernels by total CUDA time (the table the closing notes quote) for each phase.
+Prints the kernels by total CUDA time (the table the closing notes quote) and the GPU's busy time
+against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
+ops by input shape and by Python stack. ``--trace`` writes the prefill's Chrome trace to
+``DIR/prefill_trace.json``.
 Weights are seeded random (``--load-format random``), generated on the device.
 """
 
@@ -15,11 +18,33 @@ import tempfile
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tidal import LLM
 from tidal.executor.presets import write_checkpoint
 from tidal.messages import Batch, SegmentSpec
+
+
+def timeline(prof) -> None:
+    """GPU busy time (union of kernel and memcpy intervals) against their span, and the longest gaps."""
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        print("GPU timeline: the profiler recorded no device events")
+        return
+    busy, gaps, end = 0.0, [], kernels[0].time_range.start
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        if start > end:
+            gaps.append((start - end, e.name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - kernels[0].time_range.start
+    print(f"GPU timeline: {len(kernels)} kernels, busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms "
+          f"({busy / span:.3f}); idle {sum(g for g, _ in gaps) / 1e3:.2f} ms in {len(gaps)} gaps")
+    for gap, name in sorted(gaps, reverse=True)[:15]:
+        print(f"  gap {gap:8.1f} us before {name[:90]}")
 
 
 def main() -> None:
@@ -29,6 +54,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--trace", action="store_true")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -54,10 +80,17 @@ def main() -> None:
     torch.cuda.synchronize()
     took = time.monotonic() - t0
     print(f"prefill {ns.tokens} tokens: {took * 1e3:.1f} ms, {ns.tokens / took:.0f} tok/s", flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
         prefill(2)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
+    timeline(prof)
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=ns.rows,
+                                                             max_name_column_width=40))
+    print(prof.key_averages(group_by_stack_n=6).table(sort_by="cuda_time_total", row_limit=ns.rows,
+                                                       max_name_column_width=40))
+    if ns.trace:
+        prof.export_chrome_trace(os.path.join(ns.out, "prefill_trace.json"))
 
     # Decode: B requests with 64-token prompts, then single-token steps.
     b = ns.decode_batch
@@ -85,6 +118,7 @@ def main() -> None:
         step(40, 77)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
+    timeline(prof)
 
 
 if __name__ == "__main__":
