@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .memory import KVPool, StatePool
+from .upload import Upload
 
 # Rows per chunk of the chunked GDN kernel (the chunk index it is handed is built here, once a batch).
 GDN_CHUNK = 64
@@ -95,7 +97,6 @@ class Wave:
     cu_seqlens: torch.Tensor  # long [n + 1] (the GDN kernel's index type)
     cu_host: list[int]
     chunk_indices: torch.Tensor  # long [chunks, 2]: (piece, chunk within the piece) of every 64-row chunk
-    max_seqlen: int
     seg: torch.Tensor  # long [n]
     export_piece: torch.Tensor  # long [m]
     export_dst: torch.Tensor  # long [m]
@@ -155,72 +156,85 @@ class ForwardBatch:
         return int(self.export_seg.shape[0])
 
 
-def _group(segs: list[Segment], seg0: int, row0: int, device: torch.device, with_pages: bool) -> RowGroup:
-    lengths = [s.length for s in segs]
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    page_table = None
-    if with_pages:
-        width = max([len(s.pages) for s in segs] + [1])
-        table = [s.pages + [0] * (width - len(s.pages)) for s in segs]
-        page_table = torch.tensor(table, dtype=torch.int32, device=device).reshape(len(segs), width)
-    return RowGroup(
-        row0=row0, seg0=seg0, num_rows=cu[-1], num_segments=len(segs), max_seqlen=max(lengths, default=0),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-        lengths=torch.tensor(lengths, dtype=torch.long, device=device),
-        slots=torch.tensor([s.slot for s in segs], dtype=torch.long, device=device),
-        fresh=torch.tensor([s.fresh for s in segs], dtype=torch.bool, device=device),
-        kv_lens=torch.tensor([s.end for s in segs], dtype=torch.int32, device=device),
-        page_table=page_table,
-    )
+def _cu(lengths: np.ndarray) -> np.ndarray:
+    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return cu
 
 
-def _waves(prefill: list[Segment], device: torch.device) -> list[Wave]:
+def _page_table(segs: list[Segment]) -> np.ndarray:
+    table = np.zeros((len(segs), max([len(s.pages) for s in segs] + [1])), dtype=np.int32)
+    for i, s in enumerate(segs):
+        table[i, :len(s.pages)] = s.pages
+    return table
+
+
+def _group(up: Upload, segs: list[Segment], seg0: int, row0: int, with_pages: bool):
+    """A :class:`RowGroup`'s arrays added to ``up``; :func:`_make_group` builds it from the device views."""
+    lengths = np.array([s.length for s in segs], dtype=np.int64)
+    cu = _cu(lengths)
+    host = dict(row0=row0, seg0=seg0, num_rows=int(cu[-1]), num_segments=len(segs),
+                max_seqlen=int(lengths.max(initial=0)))
+    index = dict(cu_seqlens=up.add(cu, np.int32), lengths=up.add(lengths),
+                 slots=up.add([s.slot for s in segs]), fresh=up.add([s.fresh for s in segs], np.bool_),
+                 kv_lens=up.add([s.end for s in segs], np.int32),
+                 page_table=up.add(_page_table(segs), np.int32) if with_pages else None)
+    return host, index
+
+
+def _make_group(spec, views: list[torch.Tensor]) -> RowGroup:
+    host, index = spec
+    return RowGroup(**host, **{k: None if i is None else views[i] for k, i in index.items()})
+
+
+def _waves(up: Upload, prefill: list[Segment]) -> list[dict]:
+    """Each wave's host facts and the indices of its arrays in ``up`` (see :class:`Wave`)."""
     pieces = [[0, *seg.split_points(), seg.length] for seg in prefill]
     count = max((len(p) - 1 for p in pieces), default=0)
     base = prefill[0].row0 if prefill else 0
     waves = []
     for w in range(count):
-        rows: list[int] = []
-        cu, seg_list, export_piece, export_dst = [0], [], [], []
+        rows: list[np.ndarray] = []
+        lengths, seg_list, export_piece, export_dst = [], [], [], []
         for i, (seg, bounds) in enumerate(zip(prefill, pieces, strict=True)):
             if w + 1 >= len(bounds):
                 continue
             lo, hi = bounds[w], bounds[w + 1]
-            rows.extend(range(seg.row0 - base + lo, seg.row0 - base + hi))
-            cu.append(cu[-1] + hi - lo)
+            if count > 1:
+                rows.append(np.arange(seg.row0 - base + lo, seg.row0 - base + hi))
+            lengths.append(hi - lo)
             if hi < seg.length:
                 for off, dst in seg.exports:
                     if off == hi:
                         export_piece.append(len(seg_list))
                         export_dst.append(dst)
             seg_list.append(i)
-        waves.append(Wave(
-            rows=None if count == 1 else torch.tensor(rows, dtype=torch.long, device=device),
-            cu_seqlens=torch.tensor(cu, dtype=torch.long, device=device), cu_host=cu,
-            chunk_indices=torch.tensor([[i, c] for i, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True))
-                                        for c in range(-(-(b - a) // GDN_CHUNK))],
-                                       dtype=torch.long, device=device).reshape(-1, 2),
-            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
-            seg=torch.tensor(seg_list, dtype=torch.long, device=device),
-            export_piece=torch.tensor(export_piece, dtype=torch.long, device=device),
-            export_dst=torch.tensor(export_dst, dtype=torch.long, device=device),
-        ))
+        cu = _cu(np.array(lengths, dtype=np.int64))
+        chunks = -(-np.diff(cu) // GDN_CHUNK)  # 64-row chunks of each piece
+        piece = np.repeat(np.arange(len(lengths)), chunks)
+        within = np.arange(int(chunks.sum())) - np.repeat(_cu(chunks)[:-1], chunks)
+        waves.append(dict(
+            rows=up.add(np.concatenate(rows)) if count > 1 else None, cu_seqlens=up.add(cu), cu_host=cu.tolist(),
+            chunk_indices=up.add(np.stack([piece, within], axis=1).reshape(-1, 2)), seg=up.add(seg_list),
+            export_piece=up.add(export_piece), export_dst=up.add(export_dst)))
     return waves
 
 
-def _qsa_blocks(segments: list[Segment], page_table: torch.Tensor, page_size: int, ratio: int,
-                device: torch.device) -> QSABlocks:
-    new_seg, new_block = [], []
-    for i, seg in enumerate(segments):
-        for b in range(seg.start // ratio, seg.end // ratio):
-            new_seg.append(i)
-            new_block.append(b)
-    seg_t = torch.tensor(new_seg, dtype=torch.long, device=device)
-    pos = torch.tensor(new_block, dtype=torch.long, device=device)[:, None] * ratio + torch.arange(ratio, device=device)
-    new_rows = page_table[seg_t[:, None], pos // page_size].long() * page_size + pos % page_size
-    max_blocks = max(seg.end // ratio for seg in segments)
+def _qsa_host(up: Upload, segments: list[Segment], ratio: int) -> tuple[int, int]:
+    """The segment and block of every block this forward completes (``[Mb, 2]`` in ``up``), and the
+    most blocks of any segment."""
+    first = np.array([s.start // ratio for s in segments], dtype=np.int64)
+    counts = np.array([s.end // ratio for s in segments], dtype=np.int64) - first
+    seg = np.repeat(np.arange(len(segments)), counts)
+    block = np.arange(int(counts.sum())) - np.repeat(_cu(counts)[:-1], counts) + np.repeat(first, counts)
+    return up.add(np.stack([seg, block], axis=1).reshape(-1, 2)), max(s.end // ratio for s in segments)
+
+
+def _qsa_blocks(new: torch.Tensor, max_blocks: int, page_table: torch.Tensor, page_size: int,
+                ratio: int) -> QSABlocks:
+    device = page_table.device
+    pos = new[:, 1:] * ratio + torch.arange(ratio, device=device)
+    new_rows = page_table[new[:, :1], pos // page_size].long() * page_size + pos % page_size
     last = (torch.arange(max_blocks, device=device) + 1) * ratio - 1
     page_index = (last // page_size).clamp(max=page_table.shape[1] - 1)
     key_rows = page_table[:, page_index].long() * page_size + last % page_size
@@ -235,19 +249,28 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     ``ngram_context`` overrides the segments' n-gram contexts (read from their slots otherwise): an
     internal chunk of a layer-major prefill takes it from the ids before it.
     """
+    device = torch.device(device)
     num_decodes = sum(1 for s in segments if s.length == 1)
     assert all(s.length == 1 for s in segments[:num_decodes]), "decode segments must come first"
     page_size = kv.page_size if kv is not None else 1
     with_pages = kv is not None
-    all_group = _group(segments, 0, 0, device, with_pages)
-    decode = _group(segments[:num_decodes], 0, 0, device, with_pages)
-    prefill = _group(segments[num_decodes:], num_decodes, num_decodes, device, with_pages)
+    up = Upload()
+    groups = [_group(up, segments, 0, 0, with_pages), _group(up, segments[:num_decodes], 0, 0, with_pages),
+              _group(up, segments[num_decodes:], num_decodes, num_decodes, with_pages)]
+    ids_i = up.add(np.fromiter(input_ids, dtype=np.int64, count=len(input_ids)))
+    starts_i = up.add([s.start for s in segments])
+    exports = [(i, off, dst) for i, seg in enumerate(segments) for off, dst in seg.exports if off < seg.length]
+    ex_i = up.add(np.array(exports, dtype=np.int64).reshape(-1, 3))
+    waves = _waves(up, segments[num_decodes:])
+    qsa_i = _qsa_host(up, segments, qsa_ratio) if kv is not None and qsa_ratio else None
+    views = up.send(device)
+
+    all_group, decode, prefill = (_make_group(g, views) for g in groups)
     total = all_group.num_rows
     row_segment = torch.repeat_interleave(torch.arange(len(segments), device=device), all_group.lengths,
                                           output_size=total)
-    starts = torch.tensor([s.start for s in segments], dtype=torch.long, device=device)
     offsets = all_group.cu_seqlens[:-1].long()
-    positions = starts[row_segment] + torch.arange(total, device=device) - offsets[row_segment]
+    positions = views[starts_i][row_segment] + torch.arange(total, device=device) - offsets[row_segment]
     kv_write_rows = None
     if kv is not None:
         pages = all_group.page_table[row_segment, positions // page_size].long()
@@ -260,18 +283,17 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     elif ngram_context is None:
         ngram_context = torch.empty(len(segments), 0, dtype=torch.long, device=device)
     qsa = None
-    if kv is not None and qsa_ratio:
-        qsa = _qsa_blocks(segments, all_group.page_table, page_size, qsa_ratio, device)
-    exports = [(i, off, dst) for i, seg in enumerate(segments) for off, dst in seg.exports if off < seg.length]
-    ex = torch.tensor(exports, dtype=torch.long, device=device).reshape(-1, 3)
+    if qsa_i is not None:
+        qsa = _qsa_blocks(views[qsa_i[0]], qsa_i[1], all_group.page_table, page_size, qsa_ratio)
+    ex = views[ex_i]
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        input_ids=views[ids_i],
         positions=positions,
         segments=segments, kv=kv, states=states, all=all_group, decode=decode, prefill=prefill,
         kv_write_rows=kv_write_rows,
         row_segment=row_segment,
         ngram_context=ngram_context,
         export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
-        waves=_waves(segments[num_decodes:], device),
+        waves=[Wave(**{k: v if k == "cu_host" or v is None else views[v] for k, v in w.items()}) for w in waves],
         qsa=qsa,
     )

@@ -23,6 +23,7 @@ from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
 from .sampler import Sampler, TokenCounts
 from .structured import GrammarStates
+from .upload import device_ints
 
 GREEDY = SamplingParams()
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class ModelRunner:
                 out.prompt_logprobs[i] = self._prompt_logprobs(streams, pending, seg.row0, specs[i])
         if not rows:
             return out
-        logits = self.model.logits(streams, pending, torch.tensor(rows, device=self.device) - shift).float()
+        logits = self.model.logits(streams, pending, device_ints(rows, self.device) - shift).float()
         for i, spec in enumerate(specs):
             if spec.want_logits:
                 out.logits[i] = logits[spans[i][0]:spans[i][1]]

@@ -7,6 +7,7 @@ import torch
 from ...config import ModelConfig
 from ..distributed import split
 from ..distributed.shard import gdn_sections
+from ..upload import device_ints
 
 
 class StatePool:
@@ -64,9 +65,8 @@ class StatePool:
         pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
         if not pairs:
             return
-        device = self.ngram_context.device
-        s_t = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-        d_t = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        both = device_ints(pairs, self.ngram_context.device)
+        s_t, d_t = both[:, 0], both[:, 1]
         for t in self._tensors():
             t[d_t] = t[s_t]
 
