@@ -51,22 +51,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, groups, group, stride_x, str
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, width, stride_x, stride_g, stride_o, eps,
-                           SILU: tl.constexpr, ROUND_MID: tl.constexpr, BLOCK_R: tl.constexpr,
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, heads, width, sx_t, sx_h, sg_t, sg_h, stride_o,
+                           eps, SILU: tl.constexpr, ROUND_MID: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_N: tl.constexpr):
+    # Row r is head r % heads of token r // heads, addressed through each input's own strides.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    t, h_idx = rows // heads, rows % heads
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < width
     mask = (rows < n_rows)[:, None] & cmask[None, :]
     dt = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (t * sx_t + h_idx * sx_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     h = (x * inv[:, None]).to(dt).to(tl.float32)  # the reference rounds h to x's dtype here
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     h = h * w[None, :]
     if ROUND_MID:  # weight and x share a sub-fp32 dtype: the reference's product is rounded too
         h = h.to(dt).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (t * sg_t + h_idx * sg_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU:
         a = g * tl.sigmoid(g)
     else:
@@ -94,22 +96,34 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     return out
 
 
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[tokens, heads, width]`` with unit feature stride (a view when it can be one; a 2-D
+    ``t`` is one head a token)."""
+    t3 = t.reshape(-1, t.shape[-2] if t.dim() > 2 else 1, t.shape[-1])
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
+
+
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                           activation: str = "silu") -> torch.Tensor:
-    """:func:`~tidal.kernels.norm.gated_rms_norm_ref` in one pass: ``weight * x / rms(x) * act(gate)``."""
+    """:func:`~tidal.kernels.norm.gated_rms_norm_ref` in one pass: ``weight * x / rms(x) * act(gate)``.
+
+    ``x`` and ``gate`` may be strided views (e.g. ``[T, heads, d]`` column slices of a wider GEMM
+    output): each is read through its own token and head strides. The output is contiguous.
+    """
     width = x.shape[-1]
     if width > MAX_WIDTH or gate.shape != x.shape:
         return gated_rms_norm_ref(x, gate, weight, eps, activation)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x2, g2 = _rows(x, width), _rows(gate, width)
-    n = x2.shape[0]
+    x3, g3 = _heads(x), _heads(gate)
+    n = x3.shape[0] * x3.shape[1]
     if n == 0:
         return out
     round_mid = x.dtype != torch.float32 and torch.promote_types(weight.dtype, x.dtype) == x.dtype
     block_r, block_n, num_warps = _tile(width, n)
     _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
-        x2, g2, weight.contiguous(), out, n, width, x2.stride(0), g2.stride(0), width, float(eps),
-        SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
+        x3, g3, weight.contiguous(), out, n, x3.shape[1], width, x3.stride(0), x3.stride(1), g3.stride(0),
+        g3.stride(1), width, float(eps), SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r,
+        BLOCK_N=block_n, num_warps=num_warps)
     return out
 
 

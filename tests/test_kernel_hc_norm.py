@@ -176,6 +176,23 @@ def test_gated_rms_norm_kernel_matches_reference(tri, rows, width, activation):
     torch.testing.assert_close(out, norm_ops.gated_rms_norm_ref(x, gate, w, EPS, activation), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,heads,width", [(1, 3, 64), (37, 4, 128), (5, 2, 100)])
+def test_gated_rms_norm_kernel_reads_strided_heads(tri, tokens, heads, width):
+    """GDN hands the gate as ``[T, heads, d]`` column slices of its input projection's output."""
+    torch.manual_seed(tokens + heads)
+    x = torch.randn(tokens, heads, width, device=DEV)
+    wide = torch.randn(tokens, heads * width + 70, device=DEV)
+    gate = wide[:, 30:30 + heads * width].unflatten(-1, (heads, width))
+    w = 1 + 0.2 * torch.randn(width, device=DEV)
+    out = tri[0].gated_rms_norm_triton(x, gate, w, EPS)
+    assert out.shape == (tokens, heads, width) and out.is_contiguous()
+    torch.testing.assert_close(out, norm_ops.gated_rms_norm_ref(x, gate.contiguous(), w, EPS), rtol=1e-5, atol=1e-5)
+    x_strided = torch.randn(tokens, heads * width + 8, device=DEV)[:, 8:].unflatten(-1, (heads, width))
+    torch.testing.assert_close(tri[0].gated_rms_norm_triton(x_strided, gate, w, EPS),
+                               norm_ops.gated_rms_norm_ref(x_strided.contiguous(), gate.contiguous(), w, EPS),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_norm_references_are_the_original_formulas():
     torch.manual_seed(0)
     x, gate = torch.randn(2, 5, 96).unbind(0)
@@ -333,8 +350,13 @@ def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
     wide = torch.randn(37, 16384, device="cuda", dtype=dtype)
     _assert_near(norm_ops.rms_norm(wide, wide[0], EPS), norm_ops.rms_norm_ref(wide, wide[0], EPS), dtype)
     x, gate = torch.randn(2, T * 4, 128, device="cuda", dtype=dtype).unbind(0)
+    # GDN's gate: [T, heads, d] column slices of the input projection's output.
+    gate_heads = torch.randn(T, 4 * 128 + 96, device="cuda", dtype=dtype)[:, 32:32 + 4 * 128].unflatten(-1, (4, 128))
     for gw in (torch.randn(128, device="cuda"), torch.randn(128, device="cuda", dtype=dtype)):
         _assert_near(norm_ops.gated_rms_norm(x, gate, gw, EPS), norm_ops.gated_rms_norm_ref(x, gate, gw, EPS), dtype)
+        xh = x.reshape(T, 4, 128)
+        _assert_near(norm_ops.gated_rms_norm(xh, gate_heads, gw, EPS),
+                     norm_ops.gated_rms_norm_ref(xh, gate_heads, gw, EPS), dtype)
     down = (6 * torch.randn(T, LOWRANK + HC + 4, device="cuda")).to(dtype)[:, :LOWRANK]
     _assert_near(hc_ops.hc_gate_act(down, HC), hc_ops.hc_gate_act_ref(down, HC), dtype)
     from tidal.executor.layers.rotary import Rotary

@@ -45,3 +45,21 @@ def test_grouped_experts_bf16_gpu(tokens):
     out = fused_experts(x, ids, w, gu, d).float()
     err = (out - ref).norm() / ref.norm()
     assert err.item() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4099])
+def test_shared_expert_folded_into_the_combine_bf16_gpu(tokens):
+    """The gated shared expert added inside the combine pass equals the separate torch ops (both
+    round each op to bf16; only an odd sigmoid ulp may differ)."""
+    from tidal.kernels.moe import add_shared
+
+    x, ids, w, gu, d = _case(tokens, 512, 10, 2048, 512, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    shared = (torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16),
+              (3 * torch.randn(tokens, 1, device="cuda", generator=g)).to(torch.bfloat16))
+    folded = fused_experts(x, ids, w, gu, d, shared)
+    apart = add_shared(fused_experts(x, ids, w, gu, d), shared)
+    assert (folded == apart).float().mean().item() >= 0.999
+    torch.testing.assert_close(folded, apart, rtol=1e-2, atol=1e-2)
+

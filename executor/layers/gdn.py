@@ -69,8 +69,9 @@ class GatedDeltaNet(nn.Module):
             core[d.rows] = gdn_decode(q, k, v, g[d.rows], beta[d.rows], rec_slots, d.slots, d.fresh)
         if p.num_rows:
             self._prefill(qkv[p.rows], g[p.rows], beta[p.rows], core[p.rows], conv_slots, rec_slots, weight, batch)
-        out = gated_rms_norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim),
-                             self.norm.weight, self.eps, self.gate_act)
+        # z is a column slice of the input projection's output: read in place, per head.
+        out = gated_rms_norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), self.norm.weight, self.eps,
+                             self.gate_act)
         # Under tensor parallelism a partial sum over this rank's heads: the decoder layer reduces it.
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
