@@ -77,6 +77,78 @@ def _hc_block_input_kernel(n_ptr, u_ptr, out_ptr, hidden, stride_n, stride_u, st
     tl.store(out_ptr + row * stride_o + cols, (acc / HC).to(dt), mask=mask)
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of ``_hc_up_block_input_kernel`` for 16-bit inputs,
+# one config for every row count (a prompt row computes alike whatever its forward's size).
+HC_UP_CONFIG_16BIT = (64, 64, 64, 8, 3)
+HC_UP_CONFIG_32BIT = (16, 32, 32, 4, 1)  # fp32 (tests): exact ``ieee`` dots on CUDA cores
+
+
+@triton.jit
+def _hc_up_block_input_kernel(a_ptr, w_ptr, n_ptr, out_ptr, rows, hidden, lowrank, stride_a, stride_w, stride_n,
+                              stride_o, HC: tl.constexpr, HC_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One (row tile, hidden-feature tile): the ``up`` GEMM for that tile of every stream at once (the
+    weight rows ``s * hidden + n`` of all streams form one ``[HC_P2 * BLOCK_N]`` operand), then the
+    gated mean over the streams, so ``up_out`` never reaches memory."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < rows
+    rows64 = offs_m.to(tl.int64)
+    # Column j of the wide tile is feature n(j) = pid_n * BLOCK_N + j % BLOCK_N of stream s(j) = j // BLOCK_N.
+    j = tl.arange(0, HC_P2 * BLOCK_N)
+    stream = j // BLOCK_N
+    feat = pid_n * BLOCK_N + j % BLOCK_N
+    j_ok = (stream < HC) & (feat < hidden)
+    w_rows = (stream * hidden + feat).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, HC_P2 * BLOCK_N], tl.float32)
+    for k0 in range(0, lowrank, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < lowrank
+        a = tl.load(a_ptr + rows64[:, None] * stride_a + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + w_rows[None, :] * stride_w + k[:, None], mask=k_ok[:, None] & j_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+    dt = out_ptr.dtype.element_ty
+    ok = m_ok[:, None] & j_ok[None, :]
+    n = tl.load(n_ptr + rows64[:, None] * stride_n + (stream * hidden + feat)[None, :], mask=ok, other=0.0)
+    # The reference's roundings: the GEMM output, the sigmoid and each product, in the inputs' dtype.
+    gate = tl.sigmoid(acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    prod = tl.where(ok, (gate * n.to(tl.float32)).to(dt).to(tl.float32), 0.0)
+    total = tl.sum(tl.reshape(prod, [BLOCK_M, HC_P2, BLOCK_N]), axis=1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rows64[:, None] * stride_o + offs_n[None, :], (total / HC).to(dt),
+             mask=m_ok[:, None] & (offs_n < hidden)[None, :])
+
+
+def hc_up_block_input_triton(act: torch.Tensor, w_up: torch.Tensor, normed: torch.Tensor, hc: int,
+                             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``hc_block_input_ref(normed, act @ w_up.T, hc)`` in one kernel: ``act [T, R]``, ``w_up
+    [hc * hidden, R]``, ``normed [T, hc * hidden]``, one dtype. ``config`` overrides the tile
+    ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` (tuning)."""
+    width = normed.shape[-1]
+    hidden = width // hc
+    rows, lowrank = act.shape
+    if hidden * hc != width or w_up.shape != (width, lowrank) or normed.shape[0] != rows:
+        raise ValueError(f"act {tuple(act.shape)}, w_up {tuple(w_up.shape)} and normed {tuple(normed.shape)} "
+                         f"do not fit hc={hc}")
+    if not act.dtype == w_up.dtype == normed.dtype:
+        raise ValueError("act, w_up and normed must share a dtype")
+    out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
+    if rows == 0:
+        return out
+    a = act if act.stride(-1) == 1 else act.contiguous()
+    w = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
+    n = normed if normed.stride(-1) == 1 else normed.contiguous()
+    wide = normed.element_size() >= 4
+    block_m, block_n, block_k, warps, stages = config or (HC_UP_CONFIG_32BIT if wide else HC_UP_CONFIG_16BIT)
+    _hc_up_block_input_kernel[(triton.cdiv(rows, block_m), triton.cdiv(hidden, block_n))](
+        a, w, n, out, rows, hidden, lowrank, a.stride(0), w.stride(0), n.stride(0), out.stride(0),
+        HC=hc, HC_P2=triton.next_power_of_2(hc), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PREC="ieee" if wide else "tf32", num_warps=warps, num_stages=stages)
+    return out
+
+
 def hc_residual_norm_triton(streams: torch.Tensor, block_out: torch.Tensor, inject_logits: torch.Tensor, hc: int,
                             norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused :func:`~tidal.kernels.hyper_connection.hc_residual_norm_ref`; all three inputs share a dtype.
