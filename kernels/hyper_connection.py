@@ -64,17 +64,6 @@ def hc_block_input(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -> torch
     return hc_block_input_ref(normed, up_out, hc)
 
 
-def hc_up_block_input(act: torch.Tensor, w_up: torch.Tensor, normed: torch.Tensor, hc: int) -> torch.Tensor:
-    """The block input from the low-rank activation: ``hc_block_input_ref(normed, act @ w_up.T, hc)``.
-    For CUDA tensors of one dtype one Triton kernel computes the ``up`` GEMM and the gated mean
-    together, so the ``[T, hc * hidden]`` GEMM output is never written."""
-    if use_triton(normed, "hc") and act.dtype == w_up.dtype == normed.dtype:
-        from .hyper_connection_triton import hc_up_block_input_triton
-
-        return hc_up_block_input_triton(act, w_up, normed, hc)
-    return hc_block_input_ref(normed, F.linear(act, w_up), hc)
-
-
 def hc_residual_norm(streams: torch.Tensor, block_out: torch.Tensor, inject_logits: torch.Tensor, hc: int,
                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`hc_residual_norm_ref`, by one fused Triton pass for CUDA tensors of one dtype."""

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.backend import use_triton
-from ...kernels.hyper_connection import hc_gate_act, hc_residual_norm, hc_up_block_input
+from ...kernels.hyper_connection import hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
 
@@ -82,7 +82,8 @@ class GatedResidual(nn.Module):
         else:
             down = self.input_mix_weight_down(normed)
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
-        return hc_up_block_input(hc_gate_act(down, hc), self.input_mix_weight_up.weight, normed, hc), logits
+        up = self.input_mix_weight_up(hc_gate_act(down, hc))
+        return hc_block_input(normed, up, hc), logits
 
     def full_down_weight(self) -> torch.Tensor:
         """The whole ``input_mix_weight_down`` from the TP ranks' input slices (gathered once)."""
