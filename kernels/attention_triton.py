@@ -55,10 +55,6 @@ _ROW_CONFIGS_32BIT: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 1), 32: (64, 4, 1), 64: (64, 4, 1), 128: (32, 8, 1), 256: (32, 8, 1),
 }
 _MAX_SPLITS = 32
-# Key-range splits of QSA prefill rows (``paged_attention(key_splits=...)``); 1: none. A candidate for
-# 32K prompts, where one kv head's K/V (32 MB) fills most of the L2: not yet measured on the H200
-# (scripts/tune_attention.py sweeps it), so off.
-QSA_KEY_SPLITS = 1
 
 
 @triton.jit
@@ -174,21 +170,17 @@ def _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED: tl.constexpr):
 
 @triton.jit
 def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu_ptr, kvlen_ptr, sel_ptr,
-                qk_scale, num_segs, search_iters, num_splits, key_span,
+                qk_scale, num_segs, search_iters, num_splits,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
                 stride_vp, stride_vr, stride_vh, stride_pt, stride_sel,
                 GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, SELECTED: tl.constexpr,
-                RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, KEY_SPLIT: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One query row x one kv head (all its query heads) x one split of the row's key list.
 
     The key list is virtual: with ``SELECTED`` entry ``v < TOPK*RATIO`` is key ``v % RATIO`` of the row's
     ``v // RATIO``-th selected block and the next ``RATIO`` entries are the tail block; otherwise entry
     ``v`` is key ``v``. Entries outside the allowed set are masked, so every tile has the same shape.
-    A split is a contiguous range of the list's tiles, or with ``KEY_SPLIT`` the keys at positions
-    ``[split * key_span, (split + 1) * key_span)`` wherever they sit in the list (tiles with none of
-    them are skipped): the split is the grid's slowest axis, so all programs of one key range run
-    together and their gathers share that range's K/V in L2.
     """
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -213,15 +205,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
     else:
         n_virtual = pos + 1
     n_tiles = tl.cdiv(n_virtual, BLOCK_N)
-    if KEY_SPLIT:
-        t_begin = n_tiles * 0
-        t_end = n_tiles
-        key_lo = split * key_span
-        key_hi = key_lo + key_span
-    else:
-        per_split = tl.cdiv(n_tiles, num_splits)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
     n_complete = (pos + 1) // RATIO
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -238,16 +224,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
         else:
             keys = v_idx
             ok = v_idx <= pos
-        if KEY_SPLIT:
-            ok = ok & (keys >= key_lo) & (keys < key_hi)
-            if tl.max(ok.to(tl.int32), 0) > 0:
-                m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, ok, ok[None, :], kv_off, m_i, l_i,
-                                        acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                        PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
-        else:
-            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, ok, ok[None, :], kv_off, m_i, l_i, acc,
-                                    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                    PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, ok, ok[None, :], kv_off, m_i, l_i, acc,
+                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
@@ -303,16 +282,13 @@ def _pick_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
                     block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int,
-                    num_splits: int | None = None, key_splits: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None) -> torch.Tensor:
     """Triton version of :func:`tidal.kernels.attention.paged_attention_ref` (see it for the arguments).
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
     chosen from the SM count). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
-    segments to the row kernel; with ``block_sel`` every row goes to the row kernel. ``key_splits``
-    (with ``block_sel``; default :data:`QSA_KEY_SPLITS` for prefill batches) splits each row's selected
-    keys by position into that many ranges of the page table's span instead, run one range after the
-    other and merged as the tile splits are.
+    segments to the row kernel; with ``block_sel`` every row goes to the row kernel.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -359,17 +335,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         topk, ratio, sel, stride_sel = 0, 1, kv_lens, 0
         slots = num_segs
         max_tiles = _MAX_SPLITS  # decode context length is a device value; empty splits exit early
-    if selected and key_splits is None and num_splits is None and max_seqlen_q > 1:
-        key_splits = QSA_KEY_SPLITS
-    key_split = selected and key_splits is not None and key_splits > 1
-    key_span = 0
-    if key_split:
-        assert num_splits is None, "num_splits and key_splits exclude each other"
-        splits = key_splits
-        span = triton.cdiv(page_table.shape[1] * page_size, splits)
-        key_span = triton.cdiv(span, ratio) * ratio  # whole blocks: a block is never cut between ranges
-    else:
-        splits = num_splits if num_splits is not None else _pick_splits(slots * kv_heads, max_tiles, q.device)
+    splits = num_splits if num_splits is not None else _pick_splits(slots * kv_heads, max_tiles, q.device)
     search_iters = num_segs.bit_length()  # >= ceil(log2(num_segs)) halvings of [0, num_segs)
     if splits > 1:
         part_o = torch.empty(slots * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -378,11 +344,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_o = part_lse = out  # unused
     _row_kernel[(slots, kv_heads, splits)](
         q, k_cache, v_cache, out, part_o, part_lse, page_table, cu_seqlens_q, kv_lens, sel,
-        qk_scale, num_segs, search_iters, splits, key_span,
+        qk_scale, num_segs, search_iters, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_sel,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, SELECTED=selected, RATIO=ratio, TOPK=topk,
-        SPLIT=splits > 1, KEY_SPLIT=key_split, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
+        SPLIT=splits > 1, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _combine_kernel[(slots, num_heads)](

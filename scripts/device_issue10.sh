@@ -3,7 +3,7 @@
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
 # them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
-# --bisect list); qsa: the QSA rows split by key range (scripts/tune_attention.py). Logs to $OUT.
+# --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py). Logs to $OUT.
 #   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics|qsa ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
@@ -41,7 +41,7 @@ for part in $parts; do
       echo "server rc $?" >> $OUT/bench_decode_server.log
       grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
     qsa)
-      timeout ${QSA_LIMIT:-120} python3 scripts/tune_attention.py --key-splits 1,2,4 --no-configs \
+      timeout ${QSA_LIMIT:-120} python3 scripts/tune_attention.py \
         > $OUT/tune_attention.log 2>&1; echo "tune rc $?" >> $OUT/tune_attention.log
       cat $OUT/tune_attention.log ;;
     numerics)

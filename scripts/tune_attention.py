@@ -1,11 +1,10 @@
 """Sweep the Triton attention kernels' launch configs at the bench shapes (device-only).
 
-    python scripts/tune_attention.py [--tokens 32768] [--key-splits 1,2,4] [--no-configs]
+    python scripts/tune_attention.py [--tokens 32768] [--context 0]
 
 QSA prefill rows (row kernel, top-32 of 64-key blocks) and dense causal prefill (tile kernel), D=256,
 16 query / 2 KV heads, bf16, pages of 16. Prints each config's median time (CUDA events) and the
-bytes/FLOPs it implies, so the tables in ``attention_triton`` can be set from data; first the QSA rows
-split by key range (``--key-splits``), from which ``attention_triton.QSA_KEY_SPLITS`` is chosen.
+bytes/FLOPs it implies, so the tables in ``attention_triton`` can be set from data.
 """
 
 from __future__ import annotations
@@ -22,10 +21,6 @@ from tidal.kernels import attention_triton as at
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--key-splits", default="1,2,4",
-                    help="QSA key-range splits to time at the configured row tile (paged_attention(key_splits=))")
-    ap.add_argument("--configs", action=argparse.BooleanOptionalAction, default=True,
-                    help="sweep the row and tile kernels' launch configs")
     ns = ap.parse_args()
     t, h, hkv, d, page, ratio, topk = ns.tokens, 16, 2, 256, 16, 64, 32
     dev = "cuda"
@@ -54,19 +49,6 @@ def main() -> None:
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
     print(f"QSA rows: {qsa_bytes / 1e9:.1f} GB of K/V gathered, {qsa_flops / 1e12:.2f} TFLOP", flush=True)
-    one = None
-    for n in (int(x) for x in ns.key_splits.split(",") if x):
-        def fn(n=n):
-            return at.paged_attention(q, k, v, table, cu, kv_lens, d ** -0.5, block_sel=sel, qsa_ratio=ratio,
-                                      max_seqlen_q=t, key_splits=n)
-        out = fn().float()
-        one = out if one is None else one
-        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-        err = float((out - one).abs().max() / one.abs().max())
-        print(f"row  key_splits {n}: {ms:7.2f} ms  {qsa_bytes / ms / 1e9:6.2f} TB/s  (max rel diff to the first "
-              f"{err:.2e})", flush=True)
-    if not ns.configs:
-        return
     base_row = dict(at._ROW_CONFIGS_16BIT)
     for block_n, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3)):
         at._ROW_CONFIGS_16BIT[256] = (block_n, warps, stages)
