@@ -86,32 +86,21 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or not x.is_cuda
 
 
-def add_shared(routed: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """``routed + sigmoid(gate_logits) * shared_out`` for ``shared = (shared_out, gate_logits)`` (the
-    sigmoid-gated shared expert), or ``routed`` without one."""
-    if shared is None:
-        return routed
-    shared_out, logits = shared
-    return routed + torch.sigmoid(logits) * shared_out
-
-
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  down: torch.Tensor) -> torch.Tensor:
     """Same result as :func:`fused_experts_ref`, as two grouped GEMMs over expert-sorted rows.
 
     Each token's K expert outputs are summed in fp32 in a fixed order (no atomics), so the result is
     deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
     cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments.
-    ``shared``: the shared expert's output and gate logits, added as :func:`add_shared` adds them (on
-    the CUDA grouped path inside the combine pass, so the sum costs no extra pass over the output).
     """
     if (use_triton(x, "moe") and x.dtype == gate_up.dtype == down.dtype
             and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
         from .moe_triton import fused_experts_triton
 
-        return add_shared(fused_experts_triton(x, ids, weights, gate_up, down), shared)
+        return fused_experts_triton(x, ids, weights, gate_up, down)
     if not grouped_mm_supported(x):
-        return add_shared(fused_experts_ref(x, ids, weights, gate_up, down), shared)
+        return fused_experts_ref(x, ids, weights, gate_up, down)
     tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.flatten()
@@ -128,13 +117,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         h = _grouped_mm(silu_mul(h), down.transpose(1, 2), offs=offsets)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=x.device)
-        fold = shared is not None and shared[0].dtype == shared[1].dtype == x.dtype
-        return add_shared(combine(h, inverse, weights, shared if fold else None), None if fold else shared)
+        return combine(h, inverse, weights)
     gate, up = h.chunk(2, dim=-1)
     h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     per_slot[order] = h * weights.flatten()[order, None]
-    return add_shared(per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype), shared)
+    return per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

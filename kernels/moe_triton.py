@@ -282,47 +282,30 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, shared_ptr, logit_ptr, hidden, stride_h, stride_o, stride_s,
-                    stride_l, TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_C: tl.constexpr):
+def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_h, stride_o, TOP_K: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < hidden
-    dt = out_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_C], tl.float32)
     for k in tl.static_range(TOP_K):
         src = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
         w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
         acc += w * tl.load(h_ptr + src * stride_h + c, mask=ok, other=0.0).to(tl.float32)
-    out = acc.to(dt)
-    if SHARED:  # + sigmoid(logit) * shared, each op rounded to the dtype as the torch ops round
-        gate = tl.sigmoid(tl.load(logit_ptr + t.to(tl.int64) * stride_l).to(tl.float32)).to(dt).to(tl.float32)
-        s = tl.load(shared_ptr + t.to(tl.int64) * stride_s + c, mask=ok, other=0.0).to(tl.float32)
-        out = (out.to(tl.float32) + (gate * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, out, mask=ok)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def combine(h_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
-            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def combine(h_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * h_sorted[inverse[t * K + k]]`` in fp32, one read of ``h_sorted``.
 
     ``h_sorted`` holds the expert outputs in expert-sorted order; ``inverse`` maps each (token, slot)
     assignment to its row there. Replaces the scale, scatter and sum passes of the grouped path.
-    ``shared`` (``(shared_out [T, H], gate_logits [T, 1])``, in ``h_sorted``'s dtype) adds the gated
-    shared expert in the same pass: ``out + sigmoid(gate_logits) * shared_out``, rounded op by op.
     """
     tokens, top_k = weights.shape
     hidden = h_sorted.shape[1]
     out = torch.empty(tokens, hidden, dtype=h_sorted.dtype, device=h_sorted.device)
-    if shared is not None:
-        shared_out, logits = shared
-        assert shared_out.shape == out.shape and shared_out.stride(-1) == 1 and logits.shape == (tokens, 1)
-        assert shared_out.dtype == logits.dtype == out.dtype, "the shared expert's tensors take the output's dtype"
-        extra = (shared_out, logits, shared_out.stride(0), logits.stride(0))
-    else:
-        extra = (out, out, 0, 0)  # unused
     if tokens:
         grid = (tokens, triton.cdiv(hidden, 1024))
-        _combine_kernel[grid](h_sorted, inverse, weights.contiguous(), out, extra[0], extra[1], hidden,
-                              h_sorted.stride(0), out.stride(0), extra[2], extra[3], TOP_K=top_k,
-                              SHARED=shared is not None, BLOCK_C=1024, num_warps=4)
+        _combine_kernel[grid](h_sorted, inverse, weights.contiguous(), out, hidden, h_sorted.stride(0),
+                              out.stride(0), TOP_K=top_k, BLOCK_C=1024, num_warps=4)
     return out
