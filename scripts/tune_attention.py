@@ -1,6 +1,6 @@
 """Sweep the Triton attention kernels' launch configs at the bench shapes (device-only).
 
-    python scripts/tune_attention.py [--tokens 32768] [--context 0]
+    python scripts/tune_attention.py [--tokens 32768]
 
 QSA prefill rows (row kernel, top-32 of 64-key blocks) and dense causal prefill (tile kernel), D=256,
 16 query / 2 KV heads, bf16, pages of 16. Prints each config's median time (CUDA events) and the
