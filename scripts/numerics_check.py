@@ -25,7 +25,8 @@ chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERN
 
 It also reports, without gating, whether the device's GEMMs (dense and grouped) give a row the same
 result whatever the number of rows beside it: the remaining condition for chunked prefill to compute
-exactly what one forward does.
+exactly what one forward does; and whether the cold run repeated in a fresh engine gives the same ids
+(run-to-run reproducibility, without which no chunking difference can be told apart).
 
 Where a greedy run leaves the cold ids it prints the output index and the cold run's bf16 top-2 margin
 there. ``--bisect`` runs the greedy part again under each listed ``TIDAL_KERNELS`` value (whole runs
@@ -139,8 +140,9 @@ def compare_logits(ref: torch.Tensor, test: torch.Tensor, prompt: list[int]) -> 
 
 
 def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -> dict[str, Any]:
-    """bf16 greedy ids: cold, chunked, and the same prompt again after the cold run (a cache hit); where
-    a run leaves the cold ids, the index and the cold run's bf16 top-2 margin there (scored teacher-forced)."""
+    """bf16 greedy ids: cold, cold again in a fresh engine, chunked, and the same prompt again after the
+    cold run (a cache hit); where a run leaves the cold ids, the index and the cold run's bf16 top-2
+    margin there (scored teacher-forced)."""
     llm = LLM(ckpt, device=device, dtype="bfloat16")
     cold = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
     counters = getattr(llm.scheduler, "counters", None)
@@ -156,6 +158,12 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     margins = (top2[:, 0] - top2[:, 1]).tolist()
     del llm
     free(device)
+    # The cold run again in a fresh engine: whether the greedy ids are reproducible at all, which tells a
+    # chunking difference from run-to-run nondeterminism.
+    llm = LLM(ckpt, device=device, dtype="bfloat16")
+    again = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
+    del llm
+    free(device)
     llm = LLM(ckpt, device=device, dtype="bfloat16", max_prefill_length=chunk)
     chunked = llm.generate([prompt], max_tokens=tokens, ignore_eos=True)[0]
     # What chunking alone changes: the same sequence scored in chunks against in one forward, over the
@@ -164,13 +172,14 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     diff = diff if diff.numel() else torch.zeros(1)
     del llm, whole
     free(device)
-    out: dict[str, Any] = {"cold": cold, "chunked": chunked, "cached": cached, "chunk": chunk, "cached_tokens": hit,
+    out: dict[str, Any] = {"cold": cold, "cold_again": again, "chunked": chunked, "cached": cached, "chunk": chunk,
+                           "cached_tokens": hit,
                            "cold_margins": margins, "min_cold_margin": min(margins),
                            "chunked_logit_diff": {"max": float(diff.max()), "mean": float(diff.mean())}}
     print(f"greedy: logits scored in chunks of {chunk} against one forward, rows after the first chunk: "
           f"max |diff| {diff.max():.4f}, mean {diff.mean():.5f}; cold outputs' top-2 margins: smallest "
           f"{min(margins):.4f}, {sum(m < 0.05 for m in margins)} of {len(margins)} under 0.05 nats", flush=True)
-    for name, ids in (("chunked", chunked), ("cached", cached)):
+    for name, ids in (("cold_again", again), ("chunked", chunked), ("cached", cached)):
         first = next((i for i, (a, b) in enumerate(zip(cold, ids, strict=True)) if a != b), None)
         out[f"{name}_first_difference"] = first
         if first is not None:
