@@ -3,8 +3,10 @@
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
 # them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
-# --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py). Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|kernels|profile|floor|server|numerics|qsa ...]   (default: tests profile floor)
+# --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py); prefill: the
+# closing notes' bench_forward.py run (prefill 4K/8K/32K, decode at batch 1/8/32 with graphs) and a 32K
+# profile_forward.py (kernel table, GPU busy and idle time). Logs to $OUT.
+#   bash scripts/device_issue10.sh [tests|kernels|prefill|profile|floor|server|numerics|qsa ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -31,6 +33,14 @@ for part in $parts; do
         --contexts 16,8192 --steps 24 --graphs on,off > $OUT/profile_decode.log 2>&1
       echo "profile rc $?" >> $OUT/profile_decode.log
       grep -E "^graphs|rc " $OUT/profile_decode.log ;;
+    prefill)
+      timeout ${PREFILL_LIMIT:-200} python3 scripts/bench_forward.py --out $OUT --no-peer --no-kernels \
+        --lengths 4096,8192,32768 --decode-batches 1,8,32 --decode-context 512 --decode-graphs on \
+        > $OUT/bench_forward.log 2>&1; echo "prefill rc $?" >> $OUT/bench_forward.log
+      grep -E "^(prefill|decode)|rc |peak" $OUT/bench_forward.log
+      timeout ${PROFILE_LIMIT:-150} python3 scripts/profile_forward.py --out $OUT --tokens 32768 --decode-batch 1 \
+        --rows 60 > $OUT/profile_forward.log 2>&1; echo "profile rc $?" >> $OUT/profile_forward.log
+      grep -E "^(prefill|decode|GPU)|rc " $OUT/profile_forward.log ;;
     floor)
       timeout ${FLOOR_LIMIT:-150} python3 scripts/bench_forward.py --out $OUT --no-peer --no-kernels --lengths 4096 \
         --decode-batches 1,8,32 --decode-context 512 --decode-graphs on,off > $OUT/bench_decode.log 2>&1
