@@ -23,9 +23,10 @@ The fp32 baseline runs on the device's default kernels; where they refuse fp32 (
 chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERNELS=torch``), and
 ``teacher_forced.fp32_kernels`` says which. TF32 is off for it.
 
-It also reports, without gating, whether the device's GEMMs (dense and grouped) give a row the same
-result whatever the number of rows beside it: the remaining condition for chunked prefill to compute
-exactly what one forward does; and whether the cold run repeated in a fresh engine gives the same ids
+It also reports, without gating, whether the device's GEMMs (dense, at every weight shape the model
+runs, and grouped) give a row the same result whatever the number of rows beside it, for the row counts
+the greedy runs meet: the remaining condition for chunked prefill to compute exactly what one forward
+does; and whether the cold run repeated in a fresh engine gives the same ids
 (run-to-run reproducibility, without which no chunking difference can be told apart).
 
 Where a greedy run leaves the cold ids it prints the output index and the cold run's bf16 top-2 margin
@@ -188,20 +189,44 @@ def greedy(ckpt: str, device: str, prompt: list[int], tokens: int, chunk: int) -
     return out
 
 
-def gemm_row_invariance(device: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+def linear_shapes(ckpt: str, device: str, prompt: list[int]) -> list[tuple[int, int]]:
+    """The ``(in, out)`` weight shapes of every ``F.linear`` the bf16 model runs (a short prompt and a
+    decode step), in first-call order: the GEMMs whose row invariance chunked prefill depends on."""
+    shapes: dict[tuple[int, int], None] = {}
+    linear = torch.nn.functional.linear
+
+    def recording(x, weight, bias=None):
+        shapes.setdefault((int(weight.shape[1]), int(weight.shape[0])))
+        return linear(x, weight, bias)
+
+    llm = LLM(ckpt, device=device, dtype="bfloat16")
+    torch.nn.functional.linear = recording
+    try:
+        llm.generate([prompt[:300]], max_tokens=2, ignore_eos=True)
+    finally:
+        torch.nn.functional.linear = linear
+    del llm
+    free(device)
+    return list(shapes)
+
+
+def gemm_row_invariance(device: str, shapes: list[tuple[int, int]], whole_rows: int, row_counts: list[int],
+                        dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Whether a GEMM row's result depends on how many rows share the GEMM (what batch-invariant chunked
-    prefill needs): rows of ``x[:m] @ w.T`` against the same rows of ``x @ w.T``, for the row counts a
-    2,048-token prompt in chunks of 960 meets, at the `small`/`bench` projection widths; and a grouped
-    GEMM whose groups hold fewer rows. Informational: reported, not a gate."""
+    prefill needs): rows of ``x[:m] @ w.T`` against the same rows of ``x @ w.T`` (``whole_rows`` rows),
+    for the model's own weight shapes and the row counts its greedy runs meet (``row_counts``: whole
+    forwards, chunks, the tail after a cache hit; larger counts compare their first ``whole_rows`` rows);
+    and a grouped GEMM whose groups hold fewer rows. Informational: reported, not a gate."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     out: dict[str, Any] = {}
-    for k, n in ((2048, 8192), (2048, 2048), (4096, 2048)):
-        x = torch.randn(2048, k, generator=gen).to(device, dtype)
+    for k, n in shapes:
+        x = torch.randn(max([whole_rows, *row_counts]), k, generator=gen).to(device, dtype)
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
-        whole = torch.nn.functional.linear(x, w)
-        for m in (1, 64, 128, 960):
+        whole = torch.nn.functional.linear(x[:whole_rows], w)
+        for m in row_counts:
             part = torch.nn.functional.linear(x[:m], w)
-            out[f"linear {m}x{k}x{n}"] = float((part.float() - whole[:m].float()).abs().max())
+            rows = min(m, whole_rows)
+            out[f"linear {m}x{k}x{n}"] = float((part[:rows].float() - whole[:rows].float()).abs().max())
     from tidal.kernels.moe import _grouped_mm, grouped_mm_supported
 
     x = torch.randn(2048, 1024, generator=gen).to(device, dtype)
@@ -212,7 +237,10 @@ def gemm_row_invariance(device: str, dtype: torch.dtype = torch.bfloat16) -> dic
                            offs=torch.tensor([128 * (i + 1) for i in range(8)], device=device, dtype=torch.int32))
         # Rows 0..127 are expert 0's in both; the rest of the groups are smaller in ``half``.
         out["grouped 128 of 256 rows, expert 0"] = float((half[:128].float() - full[:128].float()).abs().max())
-    for name, value in out.items():
+    varying = {name: value for name, value in out.items() if value}
+    print(f"gemm rows: {len(varying)} of {len(out)} (shape, row count) pairs give a row another result than "
+          f"among {whole_rows} rows", flush=True)
+    for name, value in varying.items():
         print(f"gemm rows: {name}: max |part - whole| {value:.3g}", flush=True)
     return out
 
@@ -254,7 +282,14 @@ def main(argv: list[str] | None = None) -> int:
         forced["fp32_kernels"] = fp32_kernels
         del fp32, bf16
         ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
-        gemm_rows = gemm_row_invariance(ns.device)
+        # The row counts the greedy runs meet: the whole prompt, its chunks (the last one of the prompt and
+        # of the scored sequence), the tail a cache hit recomputes, one decode row, the scored sequence.
+        step = chunk_step(ns.chunk)
+        scored = len(prompt) + ns.greedy_tokens - 1
+        tail = len(prompt) - (ids["cached_tokens"] or len(prompt))
+        counts = sorted({1, step, len(prompt) - (len(prompt) - 1) // step * step,
+                         scored - (scored - 1) // step * step, scored, *([tail] if tail else [])})
+        gemm_rows = gemm_row_invariance(ns.device, linear_shapes(ckpt, ns.device, prompt), len(prompt), counts)
         bisect = {}
         for value in bisect_values:
             previous = os.environ.get("TIDAL_KERNELS")

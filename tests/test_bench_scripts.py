@@ -91,6 +91,10 @@ def test_numerics_check_runs_on_cpu(tmp_path):
     greedy = res["greedy"]
     assert all(len(greedy[k]) == 4 for k in ("cold", "cold_again", "chunked", "cached"))
     assert greedy["cold_again"] == greedy["cold"]  # the CPU path is deterministic run to run
+    # Row invariance at the model's own GEMM shapes (tiny: hidden 64) and the runs' row counts (131 rows scored).
+    rows = res["gemm_row_invariance"]
+    assert any(name.startswith("linear 1x64x") for name in rows)
+    assert any(name.startswith("linear 131x") for name in rows)
     assert greedy["cached_tokens"] is None or greedy["cached_tokens"] > 0
     assert [g["name"] for g in res["gates"]] == ["top1_agreement", "mean_abs_nll_diff", "greedy_ids_equal"]
     assert res["pass"] == all(g["pass"] for g in res["gates"])
