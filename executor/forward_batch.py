@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .memory import KVPool, StatePool
-from .upload import Upload
+from .upload import Ref, Upload
 
 # Rows per chunk of the chunked GDN kernel (the chunk index it is handed is built here, once a batch).
 GDN_CHUNK = 64
@@ -169,26 +169,24 @@ def _page_table(segs: list[Segment]) -> np.ndarray:
     return table
 
 
-def _group(up: Upload, segs: list[Segment], seg0: int, row0: int, with_pages: bool):
-    """A :class:`RowGroup`'s arrays added to ``up``; :func:`_make_group` builds it from the device views."""
+def _group(up: Upload, segs: list[Segment], seg0: int, row0: int, with_pages: bool) -> dict:
+    """A :class:`RowGroup`'s fields, its arrays as references into ``up`` (see :func:`_resolved`)."""
     lengths = np.array([s.length for s in segs], dtype=np.int64)
     cu = _cu(lengths)
-    host = dict(row0=row0, seg0=seg0, num_rows=int(cu[-1]), num_segments=len(segs),
-                max_seqlen=int(lengths.max(initial=0)))
-    index = dict(cu_seqlens=up.add(cu, np.int32), lengths=up.add(lengths),
-                 slots=up.add([s.slot for s in segs]), fresh=up.add([s.fresh for s in segs], np.bool_),
-                 kv_lens=up.add([s.end for s in segs], np.int32),
-                 page_table=up.add(_page_table(segs), np.int32) if with_pages else None)
-    return host, index
+    return dict(row0=row0, seg0=seg0, num_rows=int(cu[-1]), num_segments=len(segs),
+                max_seqlen=int(lengths.max(initial=0)), cu_seqlens=up.add(cu, np.int32), lengths=up.add(lengths),
+                slots=up.add([s.slot for s in segs]), fresh=up.add([s.fresh for s in segs], np.bool_),
+                kv_lens=up.add([s.end for s in segs], np.int32),
+                page_table=up.add(_page_table(segs), np.int32) if with_pages else None)
 
 
-def _make_group(spec, views: list[torch.Tensor]) -> RowGroup:
-    host, index = spec
-    return RowGroup(**host, **{k: None if i is None else views[i] for k, i in index.items()})
+def _resolved(fields: dict, views: list[torch.Tensor]) -> dict:
+    """``fields`` with every :class:`~tidal.executor.upload.Ref` replaced by its device view."""
+    return {k: views[v] if isinstance(v, Ref) else v for k, v in fields.items()}
 
 
 def _waves(up: Upload, prefill: list[Segment]) -> list[dict]:
-    """Each wave's host facts and the indices of its arrays in ``up`` (see :class:`Wave`)."""
+    """Each :class:`Wave`'s fields, its arrays as references into ``up``."""
     pieces = [[0, *seg.split_points(), seg.length] for seg in prefill]
     count = max((len(p) - 1 for p in pieces), default=0)
     base = prefill[0].row0 if prefill else 0
@@ -220,7 +218,7 @@ def _waves(up: Upload, prefill: list[Segment]) -> list[dict]:
     return waves
 
 
-def _qsa_host(up: Upload, segments: list[Segment], ratio: int) -> tuple[int, int]:
+def _qsa_host(up: Upload, segments: list[Segment], ratio: int) -> tuple[Ref, int]:
     """The segment and block of every block this forward completes (``[Mb, 2]`` in ``up``), and the
     most blocks of any segment."""
     first = np.array([s.start // ratio for s in segments], dtype=np.int64)
@@ -265,7 +263,7 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     qsa_i = _qsa_host(up, segments, qsa_ratio) if kv is not None and qsa_ratio else None
     views = up.send(device)
 
-    all_group, decode, prefill = (_make_group(g, views) for g in groups)
+    all_group, decode, prefill = (RowGroup(**_resolved(g, views)) for g in groups)
     total = all_group.num_rows
     row_segment = torch.repeat_interleave(torch.arange(len(segments), device=device), all_group.lengths,
                                           output_size=total)
@@ -294,6 +292,6 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
         row_segment=row_segment,
         ngram_context=ngram_context,
         export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
-        waves=[Wave(**{k: v if k == "cu_host" or v is None else views[v] for k, v in w.items()}) for w in waves],
+        waves=[Wave(**_resolved(w, views)) for w in waves],
         qsa=qsa,
     )

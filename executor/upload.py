@@ -6,10 +6,15 @@ import numpy as np
 import torch
 
 
+class Ref(int):
+    """What :meth:`Upload.add` returns: the array's index into :meth:`Upload.send`'s views (an int that
+    says it is one, so a record may mix references with plain host ints)."""
+
+
 class Upload:
     """Host-side integer arrays (a forward's metadata), sent to the device in one copy.
 
-    ``add`` takes an array and returns its index; ``send`` packs them into one pinned buffer, each at a
+    ``add`` takes an array and returns its :class:`Ref`; ``send`` packs them into one pinned buffer, each at a
     16-byte aligned offset (as a separate allocation would be: Triton specialises its kernels on
     16-byte pointer alignment), copies it without blocking the host (on CUDA) and returns each array as
     a typed view of the device copy. A forward's metadata so costs one transfer and no device sync, and
@@ -19,9 +24,9 @@ class Upload:
     def __init__(self) -> None:
         self._arrays: list[np.ndarray] = []
 
-    def add(self, values, dtype=np.int64) -> int:
+    def add(self, values, dtype=np.int64) -> Ref:
         self._arrays.append(np.ascontiguousarray(values, dtype=dtype))
-        return len(self._arrays) - 1
+        return Ref(len(self._arrays) - 1)
 
     def send(self, device: torch.device) -> list[torch.Tensor]:
         offsets, size = [], 0
