@@ -40,6 +40,7 @@ KERNELS = (
     "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)
     "norm",           # RMSNorm and gated RMSNorm
     "norm_rotary",    # per-head RMSNorm + partial rotary (executor/layers/rotary)
+    "ple",            # PLE's per-stream value gate and conv norm (kernels/ple)
     "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)
     "qsa_select",     # QSA block scores + top-k in one kernel (kernels/qsa_triton)
     "route",          # router softmax + top-k (kernels/moe.route)

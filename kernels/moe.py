@@ -86,29 +86,41 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 or not x.is_cuda
 
 
+def add_shared(routed: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``routed + gate * shared_out`` for ``shared = (shared_out [T, H], gate [T, 1])`` (the shared
+    expert's output and its sigmoid gate), or ``routed`` without one."""
+    if shared is None:
+        return routed
+    shared_out, gate = shared
+    return routed + gate * shared_out
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
-    """Same result as :func:`fused_experts_ref`, as two grouped GEMMs over expert-sorted rows.
+                  down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Same result as :func:`fused_experts_ref`, plus ``shared`` as :func:`add_shared` adds it, as two
+    grouped GEMMs over expert-sorted rows.
 
     Each token's K expert outputs are summed in fp32 in a fixed order (no atomics), so the result is
     deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
-    cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments.
+    cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments. On the
+    CUDA grouped path the shared expert is added inside the combine pass, with the same bits as the
+    separate ops.
     """
     if (use_triton(x, "moe") and x.dtype == gate_up.dtype == down.dtype
             and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
         from .moe_triton import fused_experts_triton
 
-        return fused_experts_triton(x, ids, weights, gate_up, down)
+        return add_shared(fused_experts_triton(x, ids, weights, gate_up, down), shared)
     if not grouped_mm_supported(x):
-        return fused_experts_ref(x, ids, weights, gate_up, down)
+        return add_shared(fused_experts_ref(x, ids, weights, gate_up, down), shared)
     tokens, top_k = ids.shape
     num_experts = gate_up.shape[0]
     flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    # Not bincount: on CUDA it reads the largest id back to size its output (a host sync).
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    # Each expert's run ends after its last id: a binary search of the sorted ids (no histogram of
+    # atomics, and not bincount, which on CUDA reads the largest id back to size its output).
+    offsets = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=flat.dtype),
+                                 right=True, out_int32=True)
     rows = x[order // top_k]
     h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
     if use_triton(x, "moe"):
@@ -117,12 +129,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         h = _grouped_mm(silu_mul(h), down.transpose(1, 2), offs=offsets)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=x.device)
-        return combine(h, inverse, weights)
+        fold = shared is not None and shared[0].dtype == shared[1].dtype == h.dtype
+        return add_shared(combine(h, inverse, weights, shared if fold else None), None if fold else shared)
     gate, up = h.chunk(2, dim=-1)
     h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     per_slot[order] = h * weights.flatten()[order, None]
-    return per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return add_shared(per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype), shared)
 
 
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

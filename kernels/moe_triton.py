@@ -282,8 +282,17 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_h, stride_o, TOP_K: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+def _round_bf16(x):
+    """fp32 -> the nearest bfloat16 value (ties to even), still fp32. Integer operations on the bits,
+    so that no float folding (``x.to(bf16).to(fp32)`` -> ``x``) or FMA contraction can skip it."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, shared_ptr, gate_ptr, hidden, stride_h, stride_o, stride_s,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_C: tl.constexpr):
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = c < hidden
@@ -292,20 +301,37 @@ def _combine_kernel(h_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_h, stride_o, 
         src = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
         w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
         acc += w * tl.load(h_ptr + src * stride_h + c, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_BF16:  # rounded here, so the store converts exact values (Triton's interpreter truncates)
+        acc = _round_bf16(acc)
+    if SHARED:  # + gate * shared_out, each op rounded to bf16 as torch's bf16 ops round
+        gate = tl.load(gate_ptr + t).to(tl.float32)
+        s = tl.load(shared_ptr + t.to(tl.int64) * stride_s + c, mask=ok, other=0.0).to(tl.float32)
+        acc = _round_bf16(acc + _round_bf16(gate * s))
     tl.store(out_ptr + t.to(tl.int64) * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def combine(h_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(h_sorted: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor,
+            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[t] = sum_k weights[t, k] * h_sorted[inverse[t * K + k]]`` in fp32, one read of ``h_sorted``.
 
     ``h_sorted`` holds the expert outputs in expert-sorted order; ``inverse`` maps each (token, slot)
     assignment to its row there. Replaces the scale, scatter and sum passes of the grouped path.
+    ``shared = (shared_out [T, H], gate [T, 1])``, bf16 like ``h_sorted``, adds the gated shared expert in
+    the same pass with the roundings of the torch ops ``out.to(bf16) + gate * shared_out``: the same bits.
     """
     tokens, top_k = weights.shape
     hidden = h_sorted.shape[1]
     out = torch.empty(tokens, hidden, dtype=h_sorted.dtype, device=h_sorted.device)
+    if shared is not None:
+        shared_out, gate = shared
+        assert h_sorted.dtype == shared_out.dtype == gate.dtype == torch.bfloat16, "the shared fold rounds to bf16"
+        assert shared_out.shape == out.shape and shared_out.stride(-1) == 1 and gate.shape == (tokens, 1)
+        extra = (shared_out, gate.contiguous(), shared_out.stride(0))
+    else:
+        extra = (out, out, 0)  # unused
     if tokens:
         grid = (tokens, triton.cdiv(hidden, 1024))
-        _combine_kernel[grid](h_sorted, inverse, weights.contiguous(), out, hidden, h_sorted.stride(0),
-                              out.stride(0), TOP_K=top_k, BLOCK_C=1024, num_warps=4)
+        _combine_kernel[grid](h_sorted, inverse, weights.contiguous(), out, extra[0], extra[1], hidden,
+                              h_sorted.stride(0), out.stride(0), extra[2], TOP_K=top_k, SHARED=shared is not None,
+                              ROUND_BF16=out.dtype == torch.bfloat16, BLOCK_C=1024, num_warps=4)
     return out

@@ -311,6 +311,51 @@ def test_stacked_projections_equal_the_separate_ones():
                                    rtol=1e-5, atol=1e-5)
 
 
+def _ple_case(rows, hc, hidden, dtype, device, seed=0):
+    """PLE gate inputs; the key and query are column slices of wider tensors (row stride > width), the
+    last row's query is zero (a zero gate: sign 0)."""
+    g = torch.Generator().manual_seed(seed)
+    width = hc * hidden
+    key = (2 * torch.randn(rows, width + 8, generator=g)).to(device, dtype)[:, 8:]
+    query = torch.randn(rows, width + 16, generator=g).to(device, dtype)[:, :width]
+    query[-1] = 0
+    value = (3 * torch.randn(rows, hidden, generator=g)).to(device, dtype)
+    kw, cw = (0.2 * torch.randn(2, width, generator=g)).to(device, dtype).unbind(0)
+    return key, query, value, kw, cw
+
+
+def _old_ple_gate(key_raw, query, value, key_weight, conv_weight, hc, eps):
+    """PLELayer's gate as the layer computed it inline (norm modules, broadcast products)."""
+    import math
+
+    hidden = value.shape[-1]
+    key = _old_rms_norm(key_raw, key_weight, eps, hidden).unflatten(-1, (hc, hidden))
+    q = query.unflatten(-1, (hc, hidden))
+    gate = (key * q).sum(dim=-1, keepdim=True) / math.sqrt(hidden)
+    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+    gated = torch.sigmoid(gate) * value.unsqueeze(-2)
+    return gated.flatten(-2), _old_rms_norm(gated.flatten(-2), conv_weight, eps, hidden)
+
+
+@pytest.mark.parametrize("rows,hc,hidden", [(1, 4, 64), (7, 3, 48), (9, 4, 96)])
+def test_ple_gate_kernel_and_reference(rows, hc, hidden):
+    """The reference equals the layer's original formula exactly; the kernel (interpreter on the CPU,
+    fp32) matches the reference."""
+    pytest.importorskip("triton")
+    from tidal.kernels.ple import ple_gate_ref
+    from tidal.kernels.ple_triton import ple_gate_triton
+
+    args = _ple_case(rows, hc, hidden, torch.float32, DEV, seed=rows)
+    want = ple_gate_ref(*args, hc, EPS)
+    for a, b in zip(_old_ple_gate(*args, hc, EPS), want, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(want[0][-1], 0.5 * args[2][-1].repeat(hc))  # zero query row: sigmoid(0) gates
+    for a, b in zip(ple_gate_triton(*args, hc, EPS), want, strict=True):
+        _assert_near(a, b, torch.float32)
+    with pytest.raises(ValueError, match="do not fit hc="):
+        ple_gate_triton(*args, 3 if hc != 3 else 4, EPS)
+
+
 def test_use_triton_needs_cuda():
     assert not use_triton(torch.zeros(1))
 
@@ -372,6 +417,11 @@ def test_gpu_kernels_match_references(tri, monkeypatch, dtype):
     got = hc_ops.hc_residual_norm(streams, block_out, logits, HC, w, EPS)
     want = hc_ops.hc_residual_norm_ref(streams, block_out, logits, HC, w, EPS)
     for a, b in zip(got, want, strict=True):
+        _assert_near(a, b, dtype)
+    from tidal.kernels.ple import ple_gate, ple_gate_ref
+
+    ple_args = _ple_case(T, HC, HIDDEN, dtype, "cuda")
+    for a, b in zip(ple_gate(*ple_args, HC, EPS), ple_gate_ref(*ple_args, HC, EPS), strict=True):
         _assert_near(a, b, dtype)
 
 

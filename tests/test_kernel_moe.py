@@ -45,3 +45,26 @@ def test_grouped_experts_bf16_gpu(tokens):
     out = fused_experts(x, ids, w, gu, d).float()
     err = (out - ref).norm() / ref.norm()
     assert err.item() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4099])
+def test_shared_expert_folded_into_the_combine_bf16_gpu(tokens):
+    """The gated shared expert added inside the combine pass gives the bits of the separate torch ops."""
+    from tidal.kernels.moe import add_shared
+
+    x, ids, w, gu, d = _case(tokens, 512, 10, 2048, 512, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    shared = ((4 * torch.randn(tokens, 2048, generator=g)).to("cuda", torch.bfloat16),
+              torch.sigmoid(3 * torch.randn(tokens, 1, generator=g)).to("cuda", torch.bfloat16))
+    folded = fused_experts(x, ids, w, gu, d, shared)
+    apart = add_shared(fused_experts(x, ids, w, gu, d), shared)
+    assert torch.equal(folded, apart)
+
+
+def test_shared_expert_added_on_the_cpu_path():
+    x, ids, w, gu, d = _case(5, 8, 3, 64, 24, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(1)
+    shared = (torch.randn(5, 64, generator=g), torch.rand(5, 1, generator=g))
+    expect = fused_experts_ref(x, ids, w, gu, d) + shared[1] * shared[0]
+    assert torch.allclose(fused_experts(x, ids, w, gu, d, shared), expect, atol=1e-5)

@@ -192,3 +192,24 @@ def test_silu_mul_and_combine_match_torch(rows):
     weights = torch.rand(tokens, top_k, generator=g).to(DEV)
     expect = (sorted_rows[inverse].view(tokens, top_k, -1) * weights[..., None]).sum(1)
     assert torch.allclose(moe_triton.combine(sorted_rows, inverse, weights), expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 17])
+def test_combine_adds_the_shared_expert_with_the_bits_of_the_torch_ops(rows):
+    """bf16: ``combine(..., shared)`` equals ``combine(...) + gate * shared_out`` done by torch, bit for
+    bit (each op rounded to bf16 as torch rounds it), including values near rounding ties."""
+    g = torch.Generator().manual_seed(rows)
+    tokens, top_k, hidden = rows, 4, 1100  # two column blocks, the second one partial
+    sorted_rows = torch.randn(tokens * top_k, hidden, generator=g).to(DEV, torch.bfloat16)
+    inverse = torch.randperm(tokens * top_k, generator=g).to(DEV)
+    weights = torch.rand(tokens, top_k, generator=g).to(DEV)
+    shared_out = (4 * torch.randn(tokens, hidden, generator=g)).to(DEV, torch.bfloat16)
+    gate = torch.sigmoid(3 * torch.randn(tokens, 1, generator=g)).to(DEV, torch.bfloat16)
+    routed = moe_triton.combine(sorted_rows, inverse, weights)
+    got = moe_triton.combine(sorted_rows, inverse, weights, (shared_out, gate))
+    expect = routed + gate * shared_out
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expect)
+    # A plain fp32 sum rounded once differs from the op-by-op roundings somewhere: the check can fail.
+    once = (routed.float() + gate.float() * shared_out.float()).to(torch.bfloat16)
+    assert not torch.equal(once, expect)

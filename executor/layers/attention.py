@@ -125,7 +125,6 @@ class GatedAttention(nn.Module):
         else:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        gate = gate.reshape(tokens, -1)
         q = Rotary.norm_apply(self.q_norm, q, cos, sin)
         k = Rotary.norm_apply(self.k_norm, k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -142,5 +141,6 @@ class GatedAttention(nn.Module):
         out = paged_attention(q, kv.k[layer], kv.v[layer], a.page_table, a.cu_seqlens, a.kv_lens, self.scale,
                               block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
                               max_seqlen_q=a.max_seqlen)
-        out = out.reshape(tokens, -1) * torch.sigmoid(gate)
+        # The gate is read where the projection wrote it (a strided view): no copy of it first.
+        out = (out * torch.sigmoid(gate)).reshape(tokens, -1)
         return self.o_proj(out)  # a partial sum over this rank's heads under tensor parallelism

@@ -58,25 +58,30 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-        core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         conv_slots = batch.states.gdn_conv[self.layer_idx]
         rec_slots = batch.states.gdn_state[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         d, p = batch.decode, batch.prefill
+        parts = []  # the core output of the decode rows, then of the prefill rows (their order in x)
         if d.num_rows:
             conv = causal_conv1d_update(qkv[d.rows], conv_slots, weight, d.slots, d.fresh)
             q, k, v = self._split_heads(conv)
-            core[d.rows] = gdn_decode(q, k, v, g[d.rows], beta[d.rows], rec_slots, d.slots, d.fresh)
+            parts.append(gdn_decode(q, k, v, g[d.rows], beta[d.rows], rec_slots, d.slots, d.fresh))
         if p.num_rows:
-            self._prefill(qkv[p.rows], g[p.rows], beta[p.rows], core[p.rows], conv_slots, rec_slots, weight, batch)
+            parts.append(self._prefill(qkv[p.rows], g[p.rows], beta[p.rows], conv_slots, rec_slots, weight, batch))
+        if len(parts) == 1:
+            core = parts[0]
+        else:
+            core = torch.cat(parts) if parts else qkv.new_empty(0, self.num_v_heads, self.head_v_dim)
         # z is a column slice of the input projection's output: read in place, per head.
         out = gated_rms_norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), self.norm.weight, self.eps,
                              self.gate_act)
         # Under tensor parallelism a partial sum over this rank's heads: the decoder layer reduces it.
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))
 
-    def _prefill(self, x, g, beta, core, conv_slots, rec_slots, weight, batch: ForwardBatch) -> None:
-        """Prefill rows: conv over every segment at once, then the recurrence wave by wave.
+    def _prefill(self, x, g, beta, conv_slots, rec_slots, weight, batch: ForwardBatch) -> torch.Tensor:
+        """Prefill rows' core output ``[rows, Hv, dv]``: conv over every segment at once, then the
+        recurrence wave by wave (a batch without internal exports is one wave, whose output is used as it is).
 
         Waves split a segment's recurrence at its internal checkpoints (see ``forward_batch.Wave``):
         the state after each piece is exact, never recomputed.
@@ -102,11 +107,10 @@ class GatedDeltaNet(nn.Module):
         k = parts[1].unflatten(-1, (self.num_k_heads, self.head_k_dim))
         v = parts[2].unflatten(-1, (self.num_v_heads, self.head_v_dim))
         state = rec_slots[p.slots].masked_fill(p.fresh[:, None, None, None], 0)
+        core = None if batch.waves[0].rows is None else torch.empty_like(v)
         for wave in batch.waves:
             if wave.rows is None:
-                out, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
-                core.copy_(out)
-                state = final
+                core, state = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
             else:
                 r = wave.rows
                 out, final = gdn_prefill(q[r], k[r], v[r], g[r], beta[r], state[wave.seg], wave.cu_seqlens,
@@ -116,3 +120,4 @@ class GatedDeltaNet(nn.Module):
             if wave.export_dst.numel():
                 rec_slots[wave.export_dst] = final[wave.export_piece]
         rec_slots[p.slots] = state
+        return core

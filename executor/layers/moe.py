@@ -8,7 +8,7 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
-from ...kernels.moe import fused_experts, gemv_applies, route
+from ...kernels.moe import add_shared, fused_experts, gemv_applies, route
 from ..distributed import split
 from .linear import Linear, StackedWeight
 
@@ -53,10 +53,12 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
         self.store = None
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum, plus ``shared`` (see :func:`~tidal.kernels.moe.add_shared`)."""
         if self.store is not None:
-            return self.store.forward(self.layer_idx, x, ids, weights)
-        return fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return add_shared(self.store.forward(self.layer_idx, x, ids, weights), shared)
+        return fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj, shared)
 
 
 class SparseMoE(nn.Module):
@@ -84,6 +86,5 @@ class SparseMoE(nn.Module):
             inter = shared.gate_proj.weight.shape[0]
             return moe_gemv(x, ids, weights, experts.gate_up_proj, experts.down_proj,
                             (shared.gate_up()[:2 * inter], shared.down_proj.weight, self.shared_expert_gate.weight))
-        routed = self.experts(x, ids, weights)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        gate = torch.sigmoid(self.shared_expert_gate(x))
+        return self.experts(x, ids, weights, shared=(self.shared_expert(x), gate))

@@ -10,6 +10,7 @@ from torch import nn
 from ...config import ModelConfig
 from ...kernels.conv import causal_conv1d_varlen, conv_windows
 from ...kernels.ngram import layer_multipliers, ngram_ids_varlen
+from ...kernels.ple import ple_gate
 from ..distributed import split, tp
 from ..forward_batch import ForwardBatch
 from .linear import Linear, RMSNorm
@@ -88,16 +89,14 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(width, 1, c.ple_conv_kernel_size), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, query: torch.Tensor | None = None) -> torch.Tensor:
+        """The PLE output ``[T, hc * hidden]`` to add to ``streams``; ``query`` is ``norm_query(streams)``
+        when the caller computed it already (with the residual add that produced ``streams``)."""
         emb = self.ple_embedding(batch).to(streams.dtype)
-        key = self.norm_key(self.key_proj(emb)).unflatten(-1, (self.hc_count, self.hidden))
-        value = self.value_proj(emb)
-        query = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden))
-        gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
-        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = torch.sigmoid(gate) * value.unsqueeze(-2)
-        normed = self.norm_conv(gated.flatten(-2))
-        gated = gated.flatten(-2)
+        if query is None:
+            query = self.norm_query(streams)
+        gated, normed = ple_gate(self.key_proj(emb), query, self.value_proj(emb), self.norm_key.weight,
+                                 self.norm_conv.weight, self.hc_count, self.norm_conv.eps)
         windows = batch.states.ple_conv[self.layer_idx]
         a = batch.all
         conv = causal_conv1d_varlen(normed, windows, self.conv1d.weight[:, 0, :], a.cu_seqlens, a.slots, a.fresh,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ...config import LINEAR, ModelConfig
+from ...kernels.hyper_connection import hc_residual_norm
 from ..distributed import tp
 from ..forward_batch import ForwardBatch
 from ..layers.attention import GatedAttention
@@ -54,13 +55,19 @@ class DecoderLayer(nn.Module):
         hc_attn, hc_mlp = self.attn_hyper_connection, self.mlp_hyper_connection
         group = tp()
         if self.ple is not None or pending is None:
-            if pending is not None:
+            query = None
+            if pending is not None and own is None:
+                # The pending residual and PLE's query norm of its result: one pass (as add_and_norm).
+                streams, query = hc_residual_norm(streams, pending[0], pending[1], hc_attn.hc_count,
+                                                  self.ple.norm_query.weight, self.ple.norm_query.eps)
+            elif pending is not None:  # row sharding: PLE normalises the gathered streams itself
                 inject = 2 * torch.sigmoid(pending[1] / hc_attn.hc_count)
                 streams = GatedResidual.residual(streams, pending[0], inject)
             if self.ple is not None:
-                full = streams if own is None else group.all_gather(streams)
-                ple = self.ple(full, batch)
-                streams = streams + (ple if own is None else ple[own])
+                if own is None:
+                    streams = streams + self.ple(streams, batch, query)
+                else:
+                    streams = streams + self.ple(group.all_gather(streams), batch)[own]
             normed = hc_attn.norm(streams)
         else:
             streams, normed = hc_attn.add_and_norm(streams, *pending)
@@ -94,7 +101,8 @@ class Qwen4ExpModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings repeated into the ``hc_count`` streams ``[T, hc * hidden]``."""
-        return self.embed_tokens(input_ids).repeat(1, self.config.hc_count)
+        emb = self.embed_tokens(input_ids)
+        return torch.cat([emb] * self.config.hc_count, dim=-1)  # a contiguous copy kernel (repeat's is strided)
 
     def forward(self, batch: ForwardBatch,
                 hc_shard: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

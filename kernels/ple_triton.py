@@ -1,0 +1,76 @@
+"""Triton kernel for PLE's per-stream value gate (``ple`` holds the reference, :func:`ple_gate_ref`).
+
+``_ple_gate_kernel``: one program per (row, stream). It reads the stream's slice of the key projection
+and of the query-normalised streams, and the row's n-gram value (shared by the ``hc`` neighbouring
+programs through L2); it normalises the key, forms the gate, and writes the gated value and its conv
+norm: the reference spends two norms, two broadcast products and a dozen small passes on it. Every
+rounding of the reference's torch ops (to the tensors' dtype) is copied, so bf16 agrees with it to
+about an ulp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .ple import ple_gate_ref
+
+MAX_HIDDEN = 16384  # one stream slice is held in registers; wider ones take the reference
+
+
+@triton.jit
+def _ple_gate_kernel(k_ptr, q_ptr, v_ptr, kw_ptr, cw_ptr, gated_ptr, normed_ptr, hidden, inv_sqrt_hidden,
+                     stride_k, stride_q, stride_v, stride_out, eps, HC: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // HC
+    s = pid % HC
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    feat = s * hidden + cols
+    dt = gated_ptr.dtype.element_ty
+    k = tl.load(k_ptr + row * stride_k + feat, mask=mask, other=0.0).to(tl.float32)
+    kw = tl.load(kw_ptr + feat, mask=mask, other=0.0).to(tl.float32)
+    key = (k * tl.rsqrt(tl.sum(k * k, axis=0) / hidden + eps) * (1.0 + kw)).to(dt).to(tl.float32)
+    q = tl.load(q_ptr + row * stride_q + feat, mask=mask, other=0.0).to(tl.float32)
+    dot = tl.sum((key * q).to(dt).to(tl.float32), axis=0).to(dt).to(tl.float32)
+    g = (dot * inv_sqrt_hidden).to(dt).to(tl.float32)
+    mag = tl.sqrt(tl.maximum(tl.abs(g), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    g = tl.where(g > 0, mag, tl.where(g < 0, -mag, 0.0))
+    gate = tl.sigmoid(g).to(dt).to(tl.float32)
+    v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0).to(tl.float32)
+    gated = (gate * v).to(dt)
+    out = row * stride_out + feat
+    tl.store(gated_ptr + out, gated, mask=mask)
+    x = gated.to(tl.float32)
+    cw = tl.load(cw_ptr + feat, mask=mask, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + out, (x * tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps) * (1.0 + cw)).to(dt), mask=mask)
+
+
+def ple_gate_triton(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Tensor, key_weight: torch.Tensor,
+                    conv_weight: torch.Tensor, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused :func:`~tidal.kernels.ple.ple_gate_ref`; the three activations share a dtype and have unit
+    feature stride (any row stride)."""
+    hidden = value.shape[-1]
+    width = hc * hidden
+    if key_raw.shape[-1] != width or query.shape[-1] != width or key_weight.numel() != width \
+            or conv_weight.numel() != width:
+        raise ValueError(f"key {tuple(key_raw.shape)}, query {tuple(query.shape)}, value {tuple(value.shape)} and "
+                         f"norm weights {key_weight.numel()}, {conv_weight.numel()} do not fit hc={hc}")
+    if not key_raw.dtype == query.dtype == value.dtype:
+        raise ValueError("key, query and value must share a dtype")
+    if hidden > MAX_HIDDEN or min(t.stride(-1) for t in (key_raw, query, value)) != 1:
+        return ple_gate_ref(key_raw, query, value, key_weight, conv_weight, hc, eps)
+    rows = value.shape[0]
+    gated = torch.empty(rows, width, dtype=value.dtype, device=value.device)
+    normed = torch.empty_like(gated)
+    if rows == 0:
+        return gated, normed
+    block = triton.next_power_of_2(hidden)
+    _ple_gate_kernel[(rows * hc,)](
+        key_raw, query, value, key_weight.contiguous(), conv_weight.contiguous(), gated, normed, hidden,
+        1.0 / math.sqrt(hidden), key_raw.stride(0), query.stride(0), value.stride(0), width, float(eps),
+        HC=hc, BLOCK=block, num_warps=min(16, max(4, block // 256)))
+    return gated, normed
