@@ -169,50 +169,18 @@ def _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED: tl.constexpr):
 
 
 @triton.jit
-def _row_tiles(q, k_ptr, v_ptr, pt_row_ptr, sel_row_ptr, t_begin, t_end, v_lo, v_hi, tail, pos, n_complete, kv_off,
-               m_i, l_i, acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-               SELECTED: tl.constexpr, PAGE: tl.constexpr, RATIO: tl.constexpr, TOPK: tl.constexpr,
-               BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Tiles ``[t_begin, t_end)`` of a row's virtual key list (see ``_row_kernel``); of the selected
-    entries only ``[v_lo, v_hi)`` count, and the tail's only if ``tail`` (a tile may hold both)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for t in range(t_begin, t_end):
-        v_idx = t * BLOCK_N + offs_n
-        if SELECTED:
-            in_sel = v_idx < TOPK * RATIO
-            blk = tl.load(sel_row_ptr + v_idx // RATIO, mask=in_sel, other=-1)
-            tail_key = n_complete * RATIO + v_idx - TOPK * RATIO
-            keys = tl.where(in_sel, blk * RATIO + v_idx % RATIO, tail_key)
-            sel_ok = (blk >= 0) & (blk < n_complete) & (v_idx >= v_lo) & (v_idx < v_hi)
-            ok = tl.where(in_sel, sel_ok, (tail_key <= pos) & tail)
-        else:
-            keys = v_idx
-            ok = v_idx <= pos
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, ok, ok[None, :], kv_off, m_i, l_i, acc,
-                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                PAGE, True, EVEN_D, DOT_PREC)
-    return m_i, l_i, acc
-
-
-@triton.jit
 def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu_ptr, kvlen_ptr, sel_ptr,
                 qk_scale, num_segs, search_iters, num_splits,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
                 stride_vp, stride_vr, stride_vh, stride_pt, stride_sel,
                 GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, SELECTED: tl.constexpr,
-                RATIO: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SPLIT: tl.constexpr,
-                KEY_RANGES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
     """One query row x one kv head (all its query heads) x one split of the row's key list.
 
     The key list is virtual: with ``SELECTED`` entry ``v < TOPK*RATIO`` is key ``v % RATIO`` of the row's
     ``v // RATIO``-th selected block and the next ``RATIO`` entries are the tail block; otherwise entry
     ``v`` is key ``v``. Entries outside the allowed set are masked, so every tile has the same shape.
-    A split is a contiguous range of the list's tiles; with ``KEY_RANGES`` (``SELECTED``, blocks sorted
-    ascending in each row) split ``r`` is instead the row's keys in the ``r``-th of ``num_splits`` equal
-    ranges of its segment's positions: a contiguous run of the sorted blocks, plus the tail if it lies
-    there. The split is the grid's slowest axis, so one range's programs run together and share its K/V
-    in L2.
     """
     slot = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -237,33 +205,28 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
     else:
         n_virtual = pos + 1
     n_tiles = tl.cdiv(n_virtual, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t_begin = split * per_split
+    t_end = tl.minimum(t_begin + per_split, n_tiles)
     n_complete = (pos + 1) // RATIO
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if KEY_RANGES:
-        span = tl.cdiv(tl.cdiv(kv_len, num_splits), RATIO)  # blocks per range
-        offs_k = tl.arange(0, TOPK_P2)
-        blocks = tl.load(sel_ptr + row64 * stride_sel + offs_k, mask=offs_k < TOPK, other=1 << 30)
-        v_lo = tl.sum((blocks < split * span).to(tl.int32), 0) * RATIO  # the empty (-1) entries sort first
-        v_hi = tl.sum((blocks < (split + 1) * span).to(tl.int32), 0) * RATIO
-        m_i, l_i, acc = _row_tiles(q, k_ptr, v_ptr, pt_row_ptr, sel_ptr + row64 * stride_sel, v_lo // BLOCK_N,
-                                   tl.cdiv(v_hi, BLOCK_N), v_lo, v_hi, False, pos, n_complete, kv_off, m_i, l_i, acc,
-                                   qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                   SELECTED, PAGE, RATIO, TOPK, BLOCK_N, HEAD_DIM == BLOCK_D, DOT_PREC)
-        if (n_complete >= split * span) & (n_complete < (split + 1) * span):  # the tail lies in this range
-            m_i, l_i, acc = _row_tiles(q, k_ptr, v_ptr, pt_row_ptr, sel_ptr + row64 * stride_sel,
-                                       TOPK * RATIO // BLOCK_N, n_tiles, 0, 0, True, pos, n_complete, kv_off,
-                                       m_i, l_i, acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d,
-                                       d_ok, SELECTED, PAGE, RATIO, TOPK, BLOCK_N, HEAD_DIM == BLOCK_D, DOT_PREC)
-    else:
-        per_split = tl.cdiv(n_tiles, num_splits)
-        t_begin = split * per_split
-        t_end = tl.minimum(t_begin + per_split, n_tiles)
-        m_i, l_i, acc = _row_tiles(q, k_ptr, v_ptr, pt_row_ptr, sel_ptr + row64 * stride_sel, t_begin, t_end,
-                                   0, TOPK * RATIO, True, pos, n_complete, kv_off, m_i, l_i, acc,
-                                   qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                   SELECTED, PAGE, RATIO, TOPK, BLOCK_N, HEAD_DIM == BLOCK_D, DOT_PREC)
+    offs_n = tl.arange(0, BLOCK_N)
+    for t in range(t_begin, t_end):
+        v_idx = t * BLOCK_N + offs_n
+        if SELECTED:
+            in_sel = v_idx < TOPK * RATIO
+            blk = tl.load(sel_ptr + row64 * stride_sel + v_idx // RATIO, mask=in_sel, other=-1)
+            tail_key = n_complete * RATIO + v_idx - TOPK * RATIO
+            keys = tl.where(in_sel, blk * RATIO + v_idx % RATIO, tail_key)
+            ok = tl.where(in_sel, (blk >= 0) & (blk < n_complete), tail_key <= pos)
+        else:
+            keys = v_idx
+            ok = v_idx <= pos
+        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, ok, ok[None, :], kv_off, m_i, l_i, acc,
+                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
@@ -311,20 +274,6 @@ def _sm_count(device: torch.device) -> int:
     return 16  # interpreter runs: a small stand-in so that splitting is still exercised
 
 
-# Bytes of K/V one key range may span so that it stays in the H200's 50 MB L2 beside the rest of the
-# pass's traffic; prompts whose K/V is smaller run unsplit.
-QSA_RANGE_BYTES = 24 << 20
-
-
-def qsa_key_ranges(max_seqlen_q: int, bytes_per_key: int) -> int:
-    """Key ranges for QSA rows of a batch whose longest segment has ``max_seqlen_q`` rows; ``bytes_per_key``
-    is one position's K and V over all kv heads. Decode-sized batches (a few rows) run unsplit: their
-    gathers are few and the merge would cost more than L2 locality saves."""
-    if max_seqlen_q < 4096:
-        return 1
-    return max(1, triton.cdiv(max_seqlen_q * bytes_per_key, QSA_RANGE_BYTES))
-
-
 def _pick_splits(programs: int, max_tiles: int, device: torch.device) -> int:
     """Key splits per row-kernel program: enough to give every SM ~2 programs, never more than key tiles."""
     return max(1, min(triton.cdiv(2 * _sm_count(device), max(programs, 1)), max_tiles, _MAX_SPLITS))
@@ -333,16 +282,13 @@ def _pick_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
                     block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int,
-                    num_splits: int | None = None, key_ranges: int | None = None) -> torch.Tensor:
+                    num_splits: int | None = None) -> torch.Tensor:
     """Triton version of :func:`tidal.kernels.attention.paged_attention_ref` (see it for the arguments).
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
     chosen from the SM count). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
-    segments to the row kernel; with ``block_sel`` every row goes to the row kernel. ``key_ranges``
-    (with ``block_sel``; default :func:`qsa_key_ranges`) splits each row's selected keys by position
-    into that many equal ranges of its segment, run one range after the other (each range's K/V stays
-    in L2 while its programs gather from it) and merged as the tile splits are.
+    segments to the row kernel; with ``block_sel`` every row goes to the row kernel.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -389,16 +335,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         topk, ratio, sel, stride_sel = 0, 1, kv_lens, 0
         slots = num_segs
         max_tiles = _MAX_SPLITS  # decode context length is a device value; empty splits exit early
-    if selected and key_ranges is None and num_splits is None:
-        key_ranges = qsa_key_ranges(max_seqlen_q, kv_heads * k_cache.shape[-1] * 2 * k_cache.element_size())
-    by_range = selected and key_ranges is not None and key_ranges > 1
-    if by_range:
-        assert num_splits is None, "num_splits and key_ranges exclude each other"
-        splits = key_ranges
-        sel = block_sel.sort(dim=1).values  # each range's blocks: a contiguous run of the row
-        stride_sel = sel.stride(0)
-    else:
-        splits = num_splits if num_splits is not None else _pick_splits(slots * kv_heads, max_tiles, q.device)
+    splits = num_splits if num_splits is not None else _pick_splits(slots * kv_heads, max_tiles, q.device)
     search_iters = num_segs.bit_length()  # >= ceil(log2(num_segs)) halvings of [0, num_segs)
     if splits > 1:
         part_o = torch.empty(slots * num_heads * splits * block_d, dtype=torch.float32, device=q.device)
@@ -410,8 +347,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qk_scale, num_segs, search_iters, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_sel,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, SELECTED=selected, RATIO=ratio, TOPK=topk,
-        TOPK_P2=triton.next_power_of_2(max(topk, 1)), SPLIT=splits > 1, KEY_RANGES=by_range,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        SPLIT=splits > 1, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
     )
     if splits > 1:

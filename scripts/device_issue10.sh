@@ -3,7 +3,7 @@
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
 # them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
-# --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py $QSA_ARGS); prefill: the
+# --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py); prefill: the
 # closing notes' bench_forward.py run (prefill 4K/8K/32K, decode at batch 1/8/32 with graphs) and a 32K
 # profile_forward.py (kernel table, GPU busy and idle time). Logs to $OUT.
 #   bash scripts/device_issue10.sh [tests|kernels|prefill|profile|floor|server|numerics|qsa ...]   (default: tests profile floor)
@@ -52,7 +52,7 @@ for part in $parts; do
       echo "server rc $?" >> $OUT/bench_decode_server.log
       grep -E "context|rc |stopped" $OUT/bench_decode_server.log ;;
     qsa)
-      timeout ${QSA_LIMIT:-120} python3 scripts/tune_attention.py ${QSA_ARGS:-} \
+      timeout ${QSA_LIMIT:-120} python3 scripts/tune_attention.py \
         > $OUT/tune_attention.log 2>&1; echo "tune rc $?" >> $OUT/tune_attention.log
       cat $OUT/tune_attention.log ;;
     numerics)

@@ -1,6 +1,6 @@
 """Sweep the Triton attention kernels' launch configs at the bench shapes (device-only).
 
-    python scripts/tune_attention.py [--tokens 32768] [--parts rows,tiles,ranges] [--key-ranges 1,2,3,4,6]
+    python scripts/tune_attention.py [--tokens 32768]
 
 QSA prefill rows (row kernel, top-32 of 64-key blocks) and dense causal prefill (tile kernel), D=256,
 16 query / 2 KV heads, bf16, pages of 16. Prints each config's median time (CUDA events) and the
@@ -21,11 +21,7 @@ from tidal.kernels import attention_triton as at
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--parts", default="rows,tiles,ranges", help="what to sweep: rows (row-kernel configs), "
-                    "tiles (dense tile configs), ranges (QSA key ranges at the row configs in use)")
-    ap.add_argument("--key-ranges", default="1,2,3,4,6")
     ns = ap.parse_args()
-    parts = set(ns.parts.split(","))
     t, h, hkv, d, page, ratio, topk = ns.tokens, 16, 2, 256, 16, 64, 32
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -46,19 +42,15 @@ def main() -> None:
     qsa_flops = float(keys_per_row.sum()) * h * d * 4
     dense_flops = t * (t + 1) / 2 * h * d * 4
 
-    def run(selected: bool, key_ranges: int | None = None) -> float:
+    def run(selected: bool) -> float:
         fn = (lambda: at.paged_attention(q, k, v, table, cu, kv_lens, d ** -0.5, block_sel=sel, qsa_ratio=ratio,
-                                         max_seqlen_q=t, key_ranges=key_ranges)) if selected else \
+                                         max_seqlen_q=t)) if selected else \
              (lambda: at.paged_attention(q, k, v, table, cu, kv_lens, d ** -0.5, max_seqlen_q=t))
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
-    print(f"QSA rows: {qsa_bytes / 1e9:.1f} GB of K/V gathered, {qsa_flops / 1e12:.2f} TFLOP; default key "
-          f"ranges {at.qsa_key_ranges(t, hkv * d * 2 * 2)}", flush=True)
-    for ranges in (int(r) for r in ns.key_ranges.split(",") if "ranges" in parts):
-        ms = run(True, ranges)
-        print(f"key ranges {ranges}: {ms:7.2f} ms  {qsa_bytes / ms / 1e9:6.2f} TB/s", flush=True)
+    print(f"QSA rows: {qsa_bytes / 1e9:.1f} GB of K/V gathered, {qsa_flops / 1e12:.2f} TFLOP", flush=True)
     base_row = dict(at._ROW_CONFIGS_16BIT)
-    for block_n, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3)) if "rows" in parts else ():
+    for block_n, warps, stages in itertools.product((32, 64), (2, 4, 8), (1, 2, 3)):
         at._ROW_CONFIGS_16BIT[256] = (block_n, warps, stages)
         try:
             ms = run(True)
@@ -70,8 +62,8 @@ def main() -> None:
     at._ROW_CONFIGS_16BIT.update(base_row)
     print(f"dense causal: {dense_flops / 1e12:.1f} TFLOP", flush=True)
     base_tile = dict(at._TILE_CONFIGS_16BIT)
-    tiles = ((64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1))
-    for block_m, block_n, warps, stages in tiles if "tiles" in parts else ():
+    for block_m, block_n, warps, stages in ((64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2),
+                                            (64, 64, 4, 2), (128, 64, 8, 1)):
         at._TILE_CONFIGS_16BIT[256] = (block_m, block_n, warps, stages)
         try:
             ms = run(False)
