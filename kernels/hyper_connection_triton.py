@@ -38,15 +38,20 @@ def _num_warps(block: int) -> int:
 
 
 @triton.jit
+def stream_slice(hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
+    """``(row, stream, cols, mask, feat)`` of a program over one (row, stream) slice of ``[T, HC * hidden]``:
+    the slice's columns within the stream, their mask, and their features in the row."""
+    pid = tl.program_id(0).to(tl.int64)
+    s = pid % HC
+    cols = tl.arange(0, BLOCK)
+    return pid // HC, s, cols, cols < hidden, s * hidden + cols
+
+
+@triton.jit
 def _hc_residual_norm_kernel(h_ptr, b_ptr, l_ptr, w_ptr, new_ptr, normed_ptr, hidden,
                              stride_h, stride_b, stride_l, stride_new, stride_normed, eps,
                              HC: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // HC
-    s = pid % HC
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    feat = s * hidden + cols
+    row, s, cols, mask, feat = stream_slice(hidden, HC, BLOCK)
     dt = new_ptr.dtype.element_ty
     # inject = 2 * sigmoid(logit / hc), rounded after the division and the sigmoid like the reference.
     logit = tl.load(l_ptr + row * stride_l + s).to(tl.float32)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .hyper_connection_triton import stream_slice
 from .ple import ple_gate_ref
 
 MAX_HIDDEN = 16384  # one stream slice is held in registers; wider ones take the reference
@@ -24,12 +25,7 @@ MAX_HIDDEN = 16384  # one stream slice is held in registers; wider ones take the
 @triton.jit
 def _ple_gate_kernel(k_ptr, q_ptr, v_ptr, kw_ptr, cw_ptr, gated_ptr, normed_ptr, hidden, inv_sqrt_hidden,
                      stride_k, stride_q, stride_v, stride_out, eps, HC: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid // HC
-    s = pid % HC
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    feat = s * hidden + cols
+    row, _, cols, mask, feat = stream_slice(hidden, HC, BLOCK)
     dt = gated_ptr.dtype.element_ty
     k = tl.load(k_ptr + row * stride_k + feat, mask=mask, other=0.0).to(tl.float32)
     kw = tl.load(kw_ptr + feat, mask=mask, other=0.0).to(tl.float32)
