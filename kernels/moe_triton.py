@@ -283,11 +283,12 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _round_bf16(x):
-    """fp32 -> the nearest bfloat16 value (ties to even), still fp32. Integer operations on the bits,
-    so that no float folding (``x.to(bf16).to(fp32)`` -> ``x``) or FMA contraction can skip it."""
+    """fp32 -> the nearest bfloat16 value (ties to even), still fp32; NaN stays NaN. Integer operations on
+    the bits: the result does not depend on how the compiler treats a float cast round trip, and Triton's
+    interpreter (whose casts to bf16 truncate) computes the same."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -22,7 +22,8 @@ def ple_gate_ref(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Tensor
 
     ``key_raw``: the key projection ``[T, hc * hidden]``; ``query``: ``norm_query(streams)`` ``[T, hc * hidden]``;
     ``value`` ``[T, hidden]``; ``key_weight`` / ``conv_weight``: the ``[hc * hidden]`` weights of the key
-    and conv norms (grouped by stream, scale ``1 + weight``).
+    and conv norms (grouped by stream, scale ``1 + weight``); ``eps``: both norms' epsilon (the config's
+    ``rms_norm_eps``).
     """
     hidden = value.shape[-1]
     key = rms_norm_ref(key_raw, key_weight, eps, group_size=hidden).unflatten(-1, (hc, hidden))

@@ -33,7 +33,7 @@ def _ple_gate_kernel(k_ptr, q_ptr, v_ptr, kw_ptr, cw_ptr, gated_ptr, normed_ptr,
     q = tl.load(q_ptr + row * stride_q + feat, mask=mask, other=0.0).to(tl.float32)
     dot = tl.sum((key * q).to(dt).to(tl.float32), axis=0).to(dt).to(tl.float32)
     g = (dot * inv_sqrt_hidden).to(dt).to(tl.float32)
-    mag = tl.sqrt(tl.maximum(tl.abs(g), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    mag = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # as torch.sqrt
     g = tl.where(g > 0, mag, tl.where(g < 0, -mag, 0.0))
     gate = tl.sigmoid(g).to(dt).to(tl.float32)
     v = tl.load(v_ptr + row * stride_v + cols, mask=mask, other=0.0).to(tl.float32)
@@ -51,7 +51,8 @@ def ple_gate_triton(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Ten
     feature stride (any row stride)."""
     hidden = value.shape[-1]
     width = hc * hidden
-    if key_raw.shape[-1] != width or query.shape[-1] != width or key_weight.numel() != width \
+    rows = value.shape[0]
+    if key_raw.shape != (rows, width) or query.shape != (rows, width) or key_weight.numel() != width \
             or conv_weight.numel() != width:
         raise ValueError(f"key {tuple(key_raw.shape)}, query {tuple(query.shape)}, value {tuple(value.shape)} and "
                          f"norm weights {key_weight.numel()}, {conv_weight.numel()} do not fit hc={hc}")
@@ -59,7 +60,6 @@ def ple_gate_triton(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Ten
         raise ValueError("key, query and value must share a dtype")
     if hidden > MAX_HIDDEN or min(t.stride(-1) for t in (key_raw, query, value)) != 1:
         return ple_gate_ref(key_raw, query, value, key_weight, conv_weight, hc, eps)
-    rows = value.shape[0]
     gated = torch.empty(rows, width, dtype=value.dtype, device=value.device)
     normed = torch.empty_like(gated)
     if rows == 0:

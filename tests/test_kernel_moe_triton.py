@@ -213,3 +213,29 @@ def test_combine_adds_the_shared_expert_with_the_bits_of_the_torch_ops(rows):
     # A plain fp32 sum rounded once differs from the op-by-op roundings somewhere: the check can fail.
     once = (routed.float() + gate.float() * shared_out.float()).to(torch.bfloat16)
     assert not torch.equal(once, expect)
+
+
+
+def test_bf16_rounding_by_bits():
+    """The combine's bf16 rounding: ties to even as torch rounds, infinities kept, and NaN kept NaN, also
+    the all-ones-mantissa NaN a GPU makes of inf - inf (0x7FFFFFFF), which the bit trick alone wraps to -0."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(out_ptr + i, moe_triton._round_bf16(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+    g = torch.Generator().manual_seed(0)
+    finite = torch.randn(200, generator=g) * 100
+    ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)])  # exactly halfway between bf16 values
+    special = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, 0xFF800000 - (1 << 32)],
+                           dtype=torch.int32).view(torch.float32)  # NaN, NaN, NaN, inf, -inf
+    x = torch.cat([finite, ties, special]).to(DEV)
+    out = torch.empty_like(x)
+    kernel[(1,)](x, out, x.numel(), BLOCK=256)
+    n = finite.numel() + ties.numel()
+    assert torch.equal(out[:n], x[:n].to(torch.bfloat16).float())
+    assert torch.isnan(out[n:n + 3]).all()
+    assert torch.equal(out[n + 3:], x[n + 3:])

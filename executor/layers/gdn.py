@@ -110,7 +110,8 @@ class GatedDeltaNet(nn.Module):
         core = None if batch.waves[0].rows is None else torch.empty_like(v)
         for wave in batch.waves:
             if wave.rows is None:
-                core, state = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
+                core, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
+                state = final
             else:
                 r = wave.rows
                 out, final = gdn_prefill(q[r], k[r], v[r], g[r], beta[r], state[wave.seg], wave.cu_seqlens,
