@@ -287,7 +287,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
-    chosen from the SM count). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
+    chosen from the SM count for decode batches, none when the batch holds prompt rows). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
     segments to the row kernel; with ``block_sel`` every row goes to the row kernel.
     """
     tokens, num_heads, head_dim = q.shape
@@ -335,7 +335,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         topk, ratio, sel, stride_sel = 0, 1, kv_lens, 0
         slots = num_segs
         max_tiles = _MAX_SPLITS  # decode context length is a device value; empty splits exit early
-    splits = num_splits if num_splits is not None else _pick_splits(slots * kv_heads, max_tiles, q.device)
+    if num_splits is not None:
+        splits = num_splits
+    elif selected and max_seqlen_q > 1:
+        # Prompt rows run unsplit: a split's merge sums in another order, so a row would give other bits
+        # in a short chunk (chunked prefill, the rest after a prefix-cache hit) than in the whole prompt.
+        splits = 1
+    else:
+        splits = _pick_splits(slots * kv_heads, max_tiles, q.device)
     search_iters = num_segs.bit_length()  # >= ceil(log2(num_segs)) halvings of [0, num_segs)
     if splits > 1:
         part_o = torch.empty(slots * num_heads * splits * block_d, dtype=torch.float32, device=q.device)

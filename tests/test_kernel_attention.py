@@ -134,6 +134,25 @@ def test_mixed_prefill_and_decode(head_dim: int, page_size: int, selected: bool)
     assert max_rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
+def test_prompt_rows_do_not_depend_on_the_chunk(selected: bool) -> None:
+    """A prompt row gives the same bits whether its forward holds the whole prompt (cold) or only a short
+    last chunk of it (chunked prefill, or the rest after a prefix-cache hit): no key split whose merge
+    would sum it in another order, however few rows the chunk has."""
+    # QSA: 16 of up to 25 blocks plus the tail, 3 key tiles a row: room to split a short chunk's rows.
+    case = make_case([48], [160], heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
+                     device=DEVICE, seed=9, ratio=8 if selected else 0, topk=16 if selected else 0)
+    args = [case[n] for n in ("q", "k_cache", "v_cache", "page_table")]
+    whole = paged_attention(*args, case["cu_seqlens_q"], case["kv_lens"], case["scale"], block_sel=case["block_sel"],
+                            qsa_ratio=case["qsa_ratio"], max_seqlen_q=48)
+    for rows in (2, 5):  # the last rows as a chunk of their own, over the same cache
+        sel = case["block_sel"][-rows:] if selected else None
+        chunk = paged_attention(case["q"][-rows:], *args[1:], torch.tensor([0, rows], dtype=torch.int32, device=DEVICE),
+                                case["kv_lens"], case["scale"], block_sel=sel, qsa_ratio=case["qsa_ratio"],
+                                max_seqlen_q=rows)
+        assert torch.equal(chunk, whole[-rows:])
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
 def test_decode_only(num_splits: int | None, selected: bool) -> None:
