@@ -287,8 +287,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
-    chosen from the SM count for decode batches, none when the batch holds prompt rows). Without ``block_sel`` multi-row segments go to the tile kernel and 1-row
-    segments to the row kernel; with ``block_sel`` every row goes to the row kernel.
+    chosen from the SM count for decode batches, none when the batch holds prompt rows). Without
+    ``block_sel`` multi-row segments go to the tile kernel and 1-row segments to the row kernel; with
+    ``block_sel`` every row goes to the row kernel.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
