@@ -4,7 +4,7 @@
 
 Prints the kernels by total CUDA time (the table the closing notes quote) and the GPU's busy time
 against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
-ops by input shape and by Python stack. ``--trace`` writes the prefill's Chrome trace to
+ops by input shape. ``--trace`` writes the prefill's Chrome trace to
 ``DIR/prefill_trace.json``.
 Weights are seeded random (``--load-format random``), generated on the device.
 """
@@ -80,15 +80,13 @@ def main() -> None:
     torch.cuda.synchronize()
     took = time.monotonic() - t0
     print(f"prefill {ns.tokens} tokens: {took * 1e3:.1f} ms, {ns.tokens / took:.0f} tok/s", flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         prefill(2)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=ns.rows, max_name_column_width=60))
     timeline(prof)
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="cuda_time_total", row_limit=ns.rows,
                                                              max_name_column_width=40))
-    print(prof.key_averages(group_by_stack_n=6).table(sort_by="cuda_time_total", row_limit=ns.rows,
-                                                       max_name_column_width=40))
     if ns.trace:
         prof.export_chrome_trace(os.path.join(ns.out, "prefill_trace.json"))
 
