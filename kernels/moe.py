@@ -103,8 +103,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     Each token's K expert outputs are summed in fp32 in a fixed order (no atomics), so the result is
     deterministic. On CUDA the Triton kernel (``moe_triton``) runs instead where the grouped GEMM
     cannot (fp32, fp16), and for batches of at most :data:`TRITON_MAX_ASSIGNMENTS` assignments. On the
-    CUDA grouped path the shared expert is added inside the combine pass, with the same bits as the
-    separate ops.
+    CUDA grouped path gate_up is :func:`moe_triton.sorted_gate_up` (rows read through the sort order, SiLU
+    gate applied, no gathered copy), and the shared expert is added inside the combine pass, with the
+    same bits as the separate ops.
     """
     if (use_triton(x, "moe") and x.dtype == gate_up.dtype == down.dtype
             and (not grouped_mm_supported(x) or ids.numel() <= TRITON_MAX_ASSIGNMENTS)):
@@ -121,16 +122,17 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     # atomics, and not bincount, which on CUDA reads the largest id back to size its output).
     offsets = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=flat.dtype),
                                  right=True, out_int32=True)
-    rows = x[order // top_k]
-    h = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
-    if use_triton(x, "moe"):
-        from .moe_triton import combine, silu_mul
+    if use_triton(x, "moe") and x.dtype == gate_up.dtype:
+        from .moe_triton import combine, sorted_gate_up
 
-        h = _grouped_mm(silu_mul(h), down.transpose(1, 2), offs=offsets)
+        # gate_up reads its rows through the sort order and applies the SiLU gate (one Triton pass); down is
+        # torch's grouped GEMM over the activations, already in expert order.
+        h = _grouped_mm(sorted_gate_up(x, order, offsets, gate_up, top_k), down.transpose(1, 2), offs=offsets)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=x.device)
         fold = shared is not None and shared[0].dtype == shared[1].dtype == h.dtype
         return add_shared(combine(h, inverse, weights, shared if fold else None), None if fold else shared)
+    h = _grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offsets)
     gate, up = h.chunk(2, dim=-1)
     h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)

@@ -3,7 +3,9 @@
 Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``). It exists
 for what torch's grouped GEMM does not serve well: fp32/fp16 (the grouped GEMM takes only bf16 on
 CUDA) and small token counts, where every expert sees one or two rows and the work is really a
-weight-streaming GEMV that the grouped GEMM's large tiles waste.
+weight-streaming GEMV that the grouped GEMM's large tiles waste. The bf16 grouped path takes two of its
+passes from here too: :func:`sorted_gate_up` (gate_up reading its rows through the expert sort, with the
+SiLU gate) and :func:`combine` (the weighted sum of each token's expert outputs, plus the shared expert).
 
 Layout (the well-known "fused MoE" structure):
 
@@ -256,6 +258,104 @@ def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
         num_warps=cfg_b.num_warps, num_stages=cfg_b.num_stages,
     )
     return per_slot.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# The gate_up pass of the grouped path (:func:`sorted_gate_up`): (block_m, config) for every row count, so
+# a row's arithmetic (the K order of its dot products) never depends on how many rows share its forward.
+SORTED_GATE_UP: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 3))
+
+
+@triton.jit
+def _sorted_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
+    num_experts, hidden, inter,
+    sx_t, sx_h, sw_e, sw_n, sw_h, so_m, so_n,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
+    num_n = tl.cdiv(inter, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    if pid_m >= tl.load(tile_end_ptr + num_experts - 1):  # past the real tiles
+        return
+    lo = 0  # the expert of this tile: the first whose tile_end exceeds pid_m
+    hi = num_experts - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        above = tl.load(tile_end_ptr + mid) > pid_m
+        hi = tl.where(above, mid, hi)
+        lo = tl.where(above, lo, mid + 1)
+    expert = lo
+    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(ends_ptr + expert)
+    first_tile = tl.load(tile_end_ptr + expert) - tl.cdiv(end - start, BLOCK_M)
+    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < end
+    token = (tl.load(order_ptr + rows, mask=valid, other=0) // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * sx_t + ks[None, :] * sx_h
+    g_ptrs = w_ptr + expert.to(tl.int64) * sw_e + cols.to(tl.int64)[None, :] * sw_n + ks[:, None] * sw_h
+    u_ptrs = g_ptrs + inter * sw_n  # up rows follow the I gate rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=cmask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks < hidden - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K * sx_h
+        g_ptrs += BLOCK_K * sw_h
+        u_ptrs += BLOCK_K * sw_h
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, top_k: int,
+                   config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+    """``silu(g) * u`` where ``[g | u] = x[order // top_k] @ gate_up[e].T`` for the rows of each expert ``e``.
+
+    x ``[T, H]``; ``order [A]`` the (token, slot) assignments sorted by expert (``A = T * top_k``);
+    ``ends [E]`` int32, where each expert's run in ``order`` ends (expert ``e`` holds rows
+    ``ends[e-1]:ends[e]``); gate_up ``[E, 2I, H]`` (gate rows first). Returns ``[A, I]`` in ``order``'s
+    order: the gather, the grouped GEMM and the SiLU gate in one pass, with no ``[A, H]`` gathered copy and
+    no ``[A, 2I]`` product in memory. Each row tile belongs to one expert; no host sync.
+    """
+    assignments, (num_experts, two_inter, hidden) = order.numel(), gate_up.shape
+    inter = two_inter // 2
+    assert x.shape[1] == hidden and ends.shape == (num_experts,) and x.dtype == gate_up.dtype
+    block_m, gemm = config or SORTED_GATE_UP
+    gemm = _fit(gemm, block_m, inter, hidden, 2, x.element_size())
+    out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
+    if assignments == 0:
+        return out
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+    max_tiles = triton.cdiv(assignments, block_m) + min(num_experts, assignments)
+    grid = (max_tiles * triton.cdiv(inter, gemm.block_n),)
+    _sorted_gate_up_kernel[grid](
+        x, gate_up, out, order, ends, tile_end, num_experts, hidden, inter,
+        x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
+        out.stride(0), out.stride(1),
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, EVEN_K=hidden % gemm.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+        num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+    )
+    return out
 
 
 @triton.jit
