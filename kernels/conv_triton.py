@@ -99,13 +99,18 @@ def _as_bytes(flags: torch.Tensor) -> torch.Tensor:
     return flags.view(torch.uint8) if flags.dtype == torch.bool else flags
 
 
+# (BLOCK_T, BLOCK_C, num_warps) of the prefill kernel.
+VARLEN_CONFIG: tuple[int, int, int] = (64, 128, 4)
+
+
 def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          slots: torch.Tensor, fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
-                         max_seqlen: int = 0, row_segment: torch.Tensor | None = None) -> torch.Tensor:
+                         max_seqlen: int = 0, row_segment: torch.Tensor | None = None,
+                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton form of :func:`tidal.kernels.conv.causal_conv1d_varlen` (same arguments and result).
 
     Grid ``(cdiv(T, BLOCK_T), cdiv(C, BLOCK_C))``; ``max_seqlen`` is unused because programs cover
-    rows of the flat batch, not segments.
+    rows of the flat batch, not segments. ``config`` overrides :data:`VARLEN_CONFIG`.
     """
     del max_seqlen
     num_rows, channels = x.shape
@@ -116,15 +121,15 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         return out
     if row_segment is None:
         row_segment = row_segments(cu_seqlens, num_rows)
-    block_t = 64
-    block_c = min(128, triton.next_power_of_2(channels))
+    block_t, block_c, warps = config or VARLEN_CONFIG
+    block_c = min(block_c, triton.next_power_of_2(channels))
     grid = (triton.cdiv(num_rows, block_t), triton.cdiv(channels, block_c))
     _conv_varlen_kernel[grid](
         x, states, weight, out, cu_seqlens, slots, _as_bytes(fresh), row_segment,
         num_rows, channels,
         x.stride(0), x.stride(1), states.stride(0), states.stride(1), states.stride(2),
         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        K=kernel_size, D=dilation, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+        K=kernel_size, D=dilation, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
     )
     return out
 

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,14 +264,26 @@ def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 # The gate_up pass of the grouped path (:func:`sorted_gate_up`): (block_m, config) for every row count, so
 # a row's arithmetic (the K order of its dot products) never depends on how many rows share its forward.
 SORTED_GATE_UP: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 3))
+SORTED_GATE_UP_TMA = False
+
+
+@triton.jit
+def _tile_end_kernel(ends_ptr, tile_end_ptr, num_experts, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``tile_end[e]``: how many ``BLOCK_M``-row tiles experts ``0..e`` take, from where their runs end."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    end = tl.load(ends_ptr + e, mask=ok, other=0)
+    start = tl.load(ends_ptr + e - 1, mask=ok & (e > 0), other=0)
+    tiles = tl.where(ok, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+    tl.store(tile_end_ptr + e, tl.cumsum(tiles, 0), mask=ok)
 
 
 @triton.jit
 def _sorted_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
+    x_ptr, w_ptr, w_desc, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter,
     sx_t, sx_h, sw_e, sw_n, sw_h, so_m, so_n,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -301,8 +314,13 @@ def _sorted_gate_up_kernel(
     u_ptrs = g_ptrs + inter * sw_n  # up rows follow the I gate rows
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_row = expert * 2 * inter + pid_n * BLOCK_N  # the gate tile's first row in gate_up viewed [E * 2I, H]
     for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
+        if TMA:  # weight tiles by the copy engine; it zero-fills past H, and columns past I are not stored
+            a = tl.load(a_ptrs, mask=valid[:, None] & (ks < hidden - kb * BLOCK_K)[None, :], other=0.0)
+            g = w_desc.load([w_row, kb * BLOCK_K]).T
+            u = w_desc.load([w_row + inter, kb * BLOCK_K]).T
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             g = tl.load(g_ptrs, mask=cmask[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=cmask[None, :], other=0.0)
@@ -326,32 +344,37 @@ def _sorted_gate_up_kernel(
 
 
 def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, top_k: int,
-                   config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+                   config: tuple[int, GemmConfig] | None = None, tma: bool | None = None) -> torch.Tensor:
     """``silu(g) * u`` where ``[g | u] = x[order // top_k] @ gate_up[e].T`` for the rows of each expert ``e``.
 
     x ``[T, H]``; ``order [A]`` the (token, slot) assignments sorted by expert (``A = T * top_k``);
     ``ends [E]`` int32, where each expert's run in ``order`` ends (expert ``e`` holds rows
     ``ends[e-1]:ends[e]``); gate_up ``[E, 2I, H]`` (gate rows first). Returns ``[A, I]`` in ``order``'s
     order: the gather, the grouped GEMM and the SiLU gate in one pass, with no ``[A, H]`` gathered copy and
-    no ``[A, 2I]`` product in memory. Each row tile belongs to one expert; no host sync.
+    no ``[A, 2I]`` product in memory. Each row tile belongs to one expert; no host sync. ``tma`` (default
+    :data:`SORTED_GATE_UP_TMA`) reads the weight tiles through a tensor descriptor where ``gate_up`` is
+    contiguous; the rows are gathered by pointer either way.
     """
     assignments, (num_experts, two_inter, hidden) = order.numel(), gate_up.shape
     inter = two_inter // 2
     assert x.shape[1] == hidden and ends.shape == (num_experts,) and x.dtype == gate_up.dtype
     block_m, gemm = config or SORTED_GATE_UP
+    tma = SORTED_GATE_UP_TMA if tma is None else tma
     gemm = _fit(gemm, block_m, inter, hidden, 2, x.element_size())
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    tile_end = torch.cumsum((counts + block_m - 1) // block_m, 0, dtype=torch.int32)
+    tile_end = torch.empty_like(ends)
+    _tile_end_kernel[(1,)](ends, tile_end, num_experts, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts))
     max_tiles = triton.cdiv(assignments, block_m) + min(num_experts, assignments)
     grid = (max_tiles * triton.cdiv(inter, gemm.block_n),)
+    tma = tma and gate_up.is_contiguous()
+    desc = TensorDescriptor.from_tensor(gate_up.view(-1, hidden), [gemm.block_n, gemm.block_k]) if tma else None
     _sorted_gate_up_kernel[grid](
-        x, gate_up, out, order, ends, tile_end, num_experts, hidden, inter,
+        x, gate_up, desc, out, order, ends, tile_end, num_experts, hidden, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         out.stride(0), out.stride(1),
-        TOP_K=top_k, IEEE=x.dtype == torch.float32, EVEN_K=hidden % gemm.block_k == 0,
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, EVEN_K=hidden % gemm.block_k == 0, TMA=tma,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

@@ -5,15 +5,18 @@
 Prints the kernels by total CUDA time (the table the closing notes quote) and the GPU's busy time
 against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
 ops by input shape. ``--trace`` writes the prefill's Chrome trace to
-``DIR/prefill_trace.json``.
+``DIR/prefill_trace.json``. ``--host N`` adds the prefill's host side: the N Python functions with the most
+time of their own, and with the most time in all, under cProfile (``DIR/prefill_host.prof`` keeps it all).
 Weights are seeded random (``--load-format random``), generated on the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
 import os
+import pstats
 import tempfile
 import time
 
@@ -55,6 +58,7 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=8)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--host", type=int, default=0)
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -89,6 +93,15 @@ def main() -> None:
                                                              max_name_column_width=40))
     if ns.trace:
         prof.export_chrome_trace(os.path.join(ns.out, "prefill_trace.json"))
+    if ns.host:
+        host = cProfile.Profile()
+        host.enable()
+        prefill(3)
+        torch.cuda.synchronize()
+        host.disable()
+        host.dump_stats(os.path.join(ns.out, "prefill_host.prof"))
+        for key in ("tottime", "cumtime"):
+            pstats.Stats(host).strip_dirs().sort_stats(key).print_stats(ns.host)
 
     # Decode: B requests with 64-token prompts, then single-token steps.
     b = ns.decode_batch

@@ -4,7 +4,8 @@
 
 512 experts, top-10, hidden 2048, intermediate 512, bf16, softmax-top-k routing of random logits. For
 each token count, prints the path it replaces (rows gathered in expert order, torch's grouped GEMM,
-the SiLU-gate pass) and then each config of ``moe_triton.sorted_gate_up``: median time (CUDA events),
+the SiLU-gate pass) and then each config of ``moe_triton.sorted_gate_up`` (:data:`CONFIGS`, weight tiles
+by pointer or by tensor descriptor): median time (CUDA events),
 TFLOP/s of the gate_up GEMM, and the largest difference from the replaced path, so
 ``moe_triton.SORTED_GATE_UP`` can be set from data. Then the whole routed-expert computation
 (``moe.fused_experts``) with the config in the module.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 
 import torch
 import triton
@@ -36,29 +36,36 @@ def sweep(tokens: int, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, g:
         h = moe._grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=ends)
         return moe_triton.silu_mul(h)
 
-    def fused(cfg: tuple[int, moe_triton.GemmConfig]) -> torch.Tensor:
-        return moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k, cfg)
+    def fused(cfg: tuple[int, moe_triton.GemmConfig], tma: bool) -> torch.Tensor:
+        return moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k, cfg, tma)
 
     ref = replaced().float()
     ms = triton.testing.do_bench(replaced, warmup=25, rep=200, return_mode="median")
     print(f"T={tokens}: gather + grouped GEMM + SiLU gate {ms * 1e3:8.1f} us ({flops / ms / 1e9:5.0f} TFLOP/s)",
           flush=True)
-    for cfg in CONFIGS:
-        name = f"m{cfg[0]} n{cfg[1].block_n} k{cfg[1].block_k} w{cfg[1].num_warps} s{cfg[1].num_stages}"
+    for bm, bn, bk, w, s, tma in CONFIGS:
+        cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
+        name = f"m{bm} n{bn} k{bk} w{w} s{s}{' tma' if tma else ''}"
         try:
-            diff = (fused(cfg).float() - ref).abs().max().item()
-            ms = triton.testing.do_bench(functools.partial(fused, cfg), warmup=25, rep=200, return_mode="median")
+            diff = (fused(cfg, tma).float() - ref).abs().max().item()
+            ms = triton.testing.do_bench(functools.partial(fused, cfg, tma), warmup=25, rep=200,
+                                         return_mode="median")
         except Exception as e:  # out of shared memory or registers for this config
             print(f"  {name}: {type(e).__name__}", flush=True)
             continue
         print(f"  {name}: {ms * 1e3:8.1f} us ({flops / ms / 1e9:5.0f} TFLOP/s) max diff {diff:.4f}", flush=True)
     ms = triton.testing.do_bench(lambda: moe.fused_experts(x, ids, weights, gate_up, down), warmup=25, rep=200,
                                  return_mode="median")
-    print(f"  fused_experts with {moe_triton.SORTED_GATE_UP}: {ms * 1e3:8.1f} us", flush=True)
+    print(f"  fused_experts with {moe_triton.SORTED_GATE_UP}, tma {moe_triton.SORTED_GATE_UP_TMA}: "
+          f"{ms * 1e3:8.1f} us", flush=True)
 
 
-CONFIGS = [(bm, moe_triton.GemmConfig(bn, bk, w, s)) for bm, bn, bk, w, s in
-           itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4))]
+# (block_m, block_n, block_k, warps, stages, weight tiles by tensor descriptor): the best of the pointer
+# sweep (docs/device/2026-11-30c/call2/tune_moe.log) with and without descriptors, and deeper pipelines.
+CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
+           *[(*c, True) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3),
+                                  (128, 64, 64, 4, 3), (128, 64, 64, 8, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
+                                  (128, 128, 128, 8, 2), (256, 64, 64, 8, 3))]]
 
 
 def main() -> None:

@@ -256,17 +256,19 @@ def _ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3), (70, 2)])
 @pytest.mark.parametrize("hidden,config", [
     (HIDDEN, (4, moe_triton.GemmConfig(16, 16, 4, 2))),  # K a multiple of the K tile; several row tiles
     (48, (16, moe_triton.GemmConfig(32, 32, 4, 2))),  # a masked last K tile
 ])
-def test_sorted_gate_up_matches_torch(tokens, top_k, hidden, config):
-    """Odd per-expert row counts (a hot expert in every token, two with none), tiles cut at each expert."""
+def test_sorted_gate_up_matches_torch(tokens, top_k, hidden, config, tma):
+    """Odd per-expert row counts (a hot expert in every token, two with none), tiles cut at each expert;
+    weight tiles by pointer and by tensor descriptor."""
     x, ids, _, gate_up, _ = _small_case(tokens, top_k, DEV)
     x, gate_up = x[:, :hidden].contiguous(), gate_up[:, :, :hidden].contiguous()
     ref, order, sorted_ids = _sorted_gate_up_ref(x, ids, gate_up)
-    out = moe_triton.sorted_gate_up(x, order, _ends(sorted_ids, EXPERTS), gate_up, top_k, config)
+    out = moe_triton.sorted_gate_up(x, order, _ends(sorted_ids, EXPERTS), gate_up, top_k, config, tma)
     assert out.shape == (tokens * top_k, INTER)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -279,13 +281,14 @@ def test_sorted_gate_up_no_rows():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("tokens", [1, 8, 4099])
-def test_sorted_gate_up_bench_shapes_gpu(tokens):
+def test_sorted_gate_up_bench_shapes_gpu(tokens, tma):
     """bf16 at the bench shapes against the fp32 torch form on the same inputs."""
     x, ids, _, gu, _ = _bench_case(tokens, torch.bfloat16)
     sorted_ids, order = torch.sort(ids.flatten(), stable=True)
     ends = _ends(sorted_ids, gu.shape[0])
-    out = moe_triton.sorted_gate_up(x, order, ends, gu, ids.shape[1])
+    out = moe_triton.sorted_gate_up(x, order, ends, gu, ids.shape[1], tma=tma)
     h = torch.cat([x[order[s:e] // 10].float() @ gu[i].float().T
                    for i, (s, e) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist(), strict=True))])
     ref = torch.nn.functional.silu(h[:, :512]) * h[:, 512:]
