@@ -263,8 +263,12 @@ def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
 # The gate_up pass of the grouped path (:func:`sorted_gate_up`): (block_m, config) for every row count, so
 # a row's arithmetic (the K order of its dot products) never depends on how many rows share its forward.
+# From scripts/tune_moe.py on the H200 at 32K tokens (docs/device/2026-11-30c/call2, call4): 2,997-3,016 us
+# with weight tiles by tensor descriptor, 3,061-3,073 us by pointer, against 3,196-3,433 us for the
+# gathered copy, torch's grouped GEMM and the SiLU-gate pass it replaces. (Four stages do not fit the
+# shared-memory budget at this tile; ``_fit`` runs them as three.)
 SORTED_GATE_UP: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 3))
-SORTED_GATE_UP_TMA = False
+SORTED_GATE_UP_TMA = True
 
 
 @triton.jit
@@ -353,7 +357,7 @@ def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gat
     order: the gather, the grouped GEMM and the SiLU gate in one pass, with no ``[A, H]`` gathered copy and
     no ``[A, 2I]`` product in memory. Each row tile belongs to one expert; no host sync. ``tma`` (default
     :data:`SORTED_GATE_UP_TMA`) reads the weight tiles through a tensor descriptor where ``gate_up`` is
-    contiguous; the rows are gathered by pointer either way.
+    contiguous and 16-byte aligned; the rows are gathered by pointer either way.
     """
     assignments, (num_experts, two_inter, hidden) = order.numel(), gate_up.shape
     inter = two_inter // 2
@@ -368,7 +372,7 @@ def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gat
     _tile_end_kernel[(1,)](ends, tile_end, num_experts, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts))
     max_tiles = triton.cdiv(assignments, block_m) + min(num_experts, assignments)
     grid = (max_tiles * triton.cdiv(inter, gemm.block_n),)
-    tma = tma and gate_up.is_contiguous()
+    tma = tma and gate_up.is_contiguous() and gate_up.data_ptr() % 16 == 0 and hidden * x.element_size() % 16 == 0
     desc = TensorDescriptor.from_tensor(gate_up.view(-1, hidden), [gemm.block_n, gemm.block_k]) if tma else None
     _sorted_gate_up_kernel[grid](
         x, gate_up, desc, out, order, ends, tile_end, num_experts, hidden, inter,
