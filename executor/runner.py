@@ -254,15 +254,15 @@ class ModelRunner:
         ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
         chunks, boundary_exports = [], []
         cuts = [b - seg.start for b in chunk_bounds(seg.start, seg.start + seg.length, chunk)]
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-            part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
-                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
-            chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
-                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
-            boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
         model = self.model.model
         hold = self.expert_store.hold() if self.expert_store is not None else contextlib.nullcontext()
-        with hold:
+        with hold:  # entered first: the first MoE layer's copy overlaps the chunks' metadata
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
+                               exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
+                chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
+                                                  qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
+                boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
             streams = [model.embed(fb.input_ids) for fb in chunks]
             pending = [None] * len(chunks)
             for layer in model.layers:

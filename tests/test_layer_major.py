@@ -15,6 +15,8 @@ from server_harness import Server, Tap
 
 from tidal import LLM
 from tidal.args import ServerArgs
+from tidal.executor.offload.experts import ExpertStore
+from tidal.kernels.moe import fused_experts_ref
 from tidal.messages import Batch, SegmentSpec
 from tidal.scheduler.layer_major import layer_major_decision
 
@@ -114,6 +116,23 @@ def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny
     assert stats["expert_loads"] == [expected * experts] * layers
     one = llm.runner.expert_store.expert_bytes
     assert stats["expert_bytes"] == [expected * experts * one] * layers
+
+
+def test_hold_starts_the_first_layers_copy_on_entry():
+    """The first MoE layer is copied when layer-major begins (before any MoE call), and its MoE call
+    then takes that copy: one stream per layer, the next one started by the call."""
+    g = torch.Generator().manual_seed(0)
+    gate_up = {i: torch.randn(4, 8, 8, generator=g) for i in (1, 3, 5)}
+    down = {i: torch.randn(4, 8, 4, generator=g) for i in (1, 3, 5)}
+    store = ExpertStore(gate_up, down, num_slots=2, device="cpu")
+    x = torch.randn(5, 8, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
+    weights = torch.full((5, 2), 0.5)
+    with store.hold():
+        assert store.stats()["expert_layer_streams"] == [1, 0, 0]
+        out = store.forward(1, x, ids, weights)
+        assert store.stats()["expert_layer_streams"] == [1, 1, 0]
+    assert torch.allclose(out, fused_experts_ref(x, ids, weights, gate_up[1], down[1]), atol=1e-5)
 
 
 def test_decode_uses_the_expert_cache(tiny_checkpoint, reference):

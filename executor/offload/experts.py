@@ -69,10 +69,12 @@ class ExpertStore:
     @contextmanager
     def hold(self):
         """Layer-major prefill: every MoE call takes its layer whole from the double buffer, so the
-        chunks of one layer share one copy and the next layer streams meanwhile. Restored on exit,
-        however it ends."""
+        chunks of one layer share one copy and the next layer streams meanwhile. The first MoE layer
+        starts copying on entry, so its copy overlaps whatever precedes the first MoE call (the chunks'
+        metadata, the embeddings, the first mixer over every chunk). Restored on exit, however it ends."""
         previous, self._whole_layers = self._whole_layers, True
         try:
+            self._buffer_for(self.layers[0])
             yield self
         finally:
             self._whole_layers = previous
@@ -121,8 +123,8 @@ class ExpertStore:
             slots.append(slot)
         return slots
 
-    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole layer on the device; the next MoE layer starts copying into the other buffer."""
+    def _buffer_for(self, layer: int) -> int:
+        """The buffer holding ``layer``, its copy started here if it is in neither."""
         if not self._buffers:
             for _ in range(2):
                 self._buffers.append((torch.empty_like(self.gate_up[layer], device=self.device),
@@ -130,7 +132,11 @@ class ExpertStore:
         if layer not in self._buffer_layer:
             self._fill(self._buffer_layer.index(None) if None in self._buffer_layer else
                        self._oldest_buffer(layer), layer)
-        index = self._buffer_layer.index(layer)
+        return self._buffer_layer.index(layer)
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole layer on the device; the next MoE layer starts copying into the other buffer."""
+        index = self._buffer_for(layer)
         ready = self._buffer_ready[index]
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
