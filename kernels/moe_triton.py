@@ -135,6 +135,43 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 @triton.jit
+def _silu_gate_tile(a_ptrs, g_ptrs, u_ptrs, w_desc, w_row, valid, cmask, hidden, inter, sx_h, sw_h,
+                    TMA: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``silu(a @ g) * (a @ u)`` of one ``[BLOCK_M, BLOCK_N]`` tile, fp32: ``a`` rows by pointer (``valid``
+    rows), the gate and up weight tiles by pointer or, with ``TMA``, from ``w_desc`` (gate_up viewed
+    ``[E * 2I, H]``) at rows ``w_row`` and ``w_row + inter``. The copy engine zero-fills past H, and the
+    columns past I it reads belong to the next rows, which the caller does not store."""
+    ks = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
+        if TMA:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (ks < hidden - kb * BLOCK_K)[None, :], other=0.0)
+            g = w_desc.load([w_row, kb * BLOCK_K]).T
+            u = w_desc.load([w_row + inter, kb * BLOCK_K]).T
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            g = tl.load(g_ptrs, mask=cmask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = ks < hidden - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K * sx_h
+        g_ptrs += BLOCK_K * sw_h
+        u_ptrs += BLOCK_K * sw_h
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ids_ptr, block_expert_ptr,
     num_assign, hidden, inter,
@@ -156,24 +193,8 @@ def _gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * sx_t + ks[None, :] * sx_h
     g_ptrs = w_ptr + expert.to(tl.int64) * sw_e + cols.to(tl.int64)[None, :] * sw_n + ks[:, None] * sw_h
     u_ptrs = g_ptrs + inter * sw_n  # up rows follow the I gate rows
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-        kmask = ks < hidden - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-        b_mask = kmask[:, None] & cmask[None, :]
-        g = tl.load(g_ptrs, mask=b_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=b_mask, other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K * sx_h
-        g_ptrs += BLOCK_K * sw_h
-        u_ptrs += BLOCK_K * sw_h
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = _silu_gate_tile(a_ptrs, g_ptrs, u_ptrs, None, 0, valid, cmask, hidden, inter, sx_h, sw_h,
+                          False, False, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
@@ -316,33 +337,9 @@ def _sorted_gate_up_kernel(
     a_ptrs = x_ptr + token[:, None] * sx_t + ks[None, :] * sx_h
     g_ptrs = w_ptr + expert.to(tl.int64) * sw_e + cols.to(tl.int64)[None, :] * sw_n + ks[:, None] * sw_h
     u_ptrs = g_ptrs + inter * sw_n  # up rows follow the I gate rows
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_row = expert * 2 * inter + pid_n * BLOCK_N  # the gate tile's first row in gate_up viewed [E * 2I, H]
-    for kb in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if TMA:  # weight tiles by the copy engine; it zero-fills past H, and columns past I are not stored
-            a = tl.load(a_ptrs, mask=valid[:, None] & (ks < hidden - kb * BLOCK_K)[None, :], other=0.0)
-            g = w_desc.load([w_row, kb * BLOCK_K]).T
-            u = w_desc.load([w_row + inter, kb * BLOCK_K]).T
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=cmask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=cmask[None, :], other=0.0)
-        else:
-            kmask = ks < hidden - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            u = tl.load(u_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, g, acc_g)
-            acc_u = tl.dot(a, u, acc_u)
-        a_ptrs += BLOCK_K * sx_h
-        g_ptrs += BLOCK_K * sw_h
-        u_ptrs += BLOCK_K * sw_h
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    act = _silu_gate_tile(a_ptrs, g_ptrs, u_ptrs, w_desc, w_row, valid, cmask, hidden, inter, sx_h, sw_h,
+                          TMA, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
