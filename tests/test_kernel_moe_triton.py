@@ -273,6 +273,21 @@ def test_sorted_gate_up_matches_torch(tokens, top_k, hidden, config, tma):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tma", [False, True])
+def test_sorted_gate_up_odd_expert_count_and_intermediate(tma):
+    """7 experts (not a power of two, the last one empty) and intermediate 24, which the 16-column tiles do
+    not divide: the last column tile reads past each half (the next expert's rows, by descriptor) and
+    stores only its 8 real columns."""
+    x, ids, _, gate_up, _ = _small_case(37, 3, DEV)
+    inter = 24
+    gate_up = torch.cat([gate_up[:7, :inter], gate_up[:7, INTER:INTER + inter]], dim=1).contiguous()
+    ref, order, sorted_ids = _sorted_gate_up_ref(x, ids, gate_up)
+    out = moe_triton.sorted_gate_up(x, order, _ends(sorted_ids, 7), gate_up, 3,
+                                    (16, moe_triton.GemmConfig(16, 16, 4, 2)), tma)
+    assert out.shape == (37 * 3, inter)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_sorted_gate_up_no_rows():
     x, ids, _, gate_up, _ = _small_case(1, 2, DEV)
     order = torch.zeros(0, dtype=torch.int64, device=DEV)
