@@ -4,10 +4,11 @@
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
 # them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
 # --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py); moe: the grouped
-# path's gate_up launch-config sweep (scripts/tune_moe.py); prefill: the
+# path's gate_up launch-config sweep (scripts/tune_moe.py); conv: the conv1d prefill sweep (scripts/tune_conv.py);
+# prefill: the
 # closing notes' bench_forward.py run (prefill 4K/8K/32K, decode at batch 1/8/32 with graphs) and a 32K
 # profile_forward.py (kernel table, GPU busy and idle time). Logs to $OUT.
-#   bash scripts/device_issue10.sh [tests|kernels|prefill|profile|floor|server|numerics|qsa|moe ...]   (default: tests profile floor)
+#   bash scripts/device_issue10.sh [tests|kernels|prefill|profile|floor|server|numerics|qsa|moe|conv ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
@@ -59,6 +60,9 @@ for part in $parts; do
     moe)
       timeout ${MOE_LIMIT:-240} python3 scripts/tune_moe.py > $OUT/tune_moe.log 2>&1; echo "tune rc $?" >> $OUT/tune_moe.log
       cat $OUT/tune_moe.log ;;
+    conv)
+      timeout ${CONV_LIMIT:-120} python3 scripts/tune_conv.py > $OUT/tune_conv.log 2>&1; echo "tune rc $?" >> $OUT/tune_conv.log
+      cat $OUT/tune_conv.log ;;
     numerics)
       timeout ${NUM_LIMIT:-150} python3 scripts/numerics_check.py --out $OUT/num ${NUM_BISECT:+--bisect "$NUM_BISECT"} > $OUT/numerics.log 2>&1
       echo "numerics rc $?" >> $OUT/numerics.log
