@@ -38,6 +38,7 @@ KERNELS = (
     "hc",             # hyper-connection kernels (kernels/hyper_connection, executor/layers/hyper_connection)
     "moe",            # routed experts of prefill rows: grouped GEMM helpers and the Triton fused MoE
     "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)
+    "ngram",          # PLE's hashed n-gram ids (kernels/ngram)
     "norm",           # RMSNorm and gated RMSNorm
     "norm_rotary",    # per-head RMSNorm + partial rotary (executor/layers/rotary)
     "ple",            # PLE's per-stream value gate and conv norm (kernels/ple)

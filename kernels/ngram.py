@@ -1,8 +1,11 @@
-"""Hashed n-gram ids for PLE (per-layer embeddings), torch reference."""
+"""Hashed n-gram ids for PLE (per-layer embeddings): torch reference, and the dispatcher that sends CUDA
+tensors to the Triton kernel of ``ngram_triton``."""
 
 from __future__ import annotations
 
 import torch
+
+from .backend import use_triton
 
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15
@@ -74,6 +77,21 @@ def ngram_ids_varlen(context: torch.Tensor, tokens: torch.Tensor, row_segment: t
                      cu_seqlens: torch.Tensor, eos: int,
                      multipliers: torch.Tensor, head_vocab_sizes: torch.Tensor, head_offsets: torch.Tensor,
                      heads_per_ngram: int) -> torch.Tensor:
+    """:func:`ngram_ids_varlen_ref`'s result: one Triton launch for CUDA tensors (``ngram_triton``), the
+    reference otherwise."""
+    if use_triton(tokens, "ngram"):
+        from .ngram_triton import ngram_ids_varlen as triton_ids
+
+        return triton_ids(context, tokens, row_segment, cu_seqlens, eos, multipliers, head_vocab_sizes,
+                          head_offsets, heads_per_ngram)
+    return ngram_ids_varlen_ref(context, tokens, row_segment, cu_seqlens, eos, multipliers, head_vocab_sizes,
+                                head_offsets, heads_per_ngram)
+
+
+def ngram_ids_varlen_ref(context: torch.Tensor, tokens: torch.Tensor, row_segment: torch.Tensor,
+                         cu_seqlens: torch.Tensor, eos: int,
+                         multipliers: torch.Tensor, head_vocab_sizes: torch.Tensor, head_offsets: torch.Tensor,
+                         heads_per_ngram: int) -> torch.Tensor:
     """:func:`ngram_ids` for a flat batch of segments at once.
 
     Args:

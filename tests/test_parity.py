@@ -71,3 +71,16 @@ def test_logits_and_greedy_ids_match_transformers(checkpoint, device):
     assert diff <= 1e-3
     ids = llm.generate([prompt], max_tokens=GREEDY_TOKENS, ignore_eos=True)[0]
     assert ids == ref_ids
+
+
+def test_one_token_prompt_greedy_ids_match_transformers(tiny_checkpoint, device):
+    """A one-token prompt is a decode-shaped row from the first forward (a fresh state slot, the PLE and
+    GDN convs' decode forms): the greedy ids still equal transformers'."""
+    prompt = [1234]
+    ref = reference_model(tiny_checkpoint, device)
+    with torch.no_grad():
+        ref_ids = ref.generate(torch.tensor([prompt], device=device), max_new_tokens=8, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, 1:].tolist()
+    del ref
+    llm = LLM(tiny_checkpoint, device=device, dtype="float32")
+    assert llm.generate([prompt], max_tokens=8, ignore_eos=True)[0] == ref_ids

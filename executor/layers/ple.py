@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
-from ...kernels.conv import causal_conv1d_varlen, conv_windows
+from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.ngram import layer_multipliers, ngram_ids_varlen
 from ...kernels.ple import ple_gate
 from ..distributed import split, tp
@@ -97,7 +97,12 @@ class PLELayer(nn.Module):
                                  self.norm_conv.weight, self.hc_count, self.norm_conv.eps)
         windows = batch.states.ple_conv[self.layer_idx]
         a = batch.all
-        conv = causal_conv1d_varlen(normed, windows, self.conv1d.weight[:, 0, :], a.cu_seqlens, a.slots, a.fresh,
+        weight = self.conv1d.weight[:, 0, :]
+        if batch.prefill.num_rows == 0 and batch.export_seg.numel() == 0:
+            # One row per segment and no checkpoint: the decode step's conv, which shifts each window in
+            # place (one launch for what the prefill form does in a conv, a gather and a store).
+            return gated + causal_conv1d_update(normed, windows, weight, a.slots, a.fresh, dilation=self.dilation)
+        conv = causal_conv1d_varlen(normed, windows, weight, a.cu_seqlens, a.slots, a.fresh,
                                     dilation=self.dilation, max_seqlen=a.max_seqlen, row_segment=batch.row_segment)
         seg_index = torch.cat([torch.arange(a.num_segments, device=normed.device), batch.export_seg])
         upto = torch.cat([a.lengths, batch.export_off])
