@@ -22,7 +22,8 @@ for part in $parts; do
     kernels)
       timeout ${KTEST_LIMIT:-200} python3 -m pytest -p no:cacheprovider -q ${KTESTS:-tests/test_kernel_moe_decode.py \
         tests/test_kernel_qsa_select.py tests/test_kernel_moe.py tests/test_kernel_moe_triton.py \
-        tests/test_kernel_ngram_qsa.py tests/test_kernel_hc_norm.py tests/test_kernel_conv_gdn.py tests/test_kernel_attention.py \
+        tests/test_kernel_ngram_qsa.py tests/test_kernel_ngram_triton.py tests/test_kernel_hc_norm.py tests/test_kernel_conv_gdn.py \
+        tests/test_kernel_attention.py \
         tests/test_kernel_gdn_prefill.py} > $OUT/kernel_tests.log 2>&1; echo "kernel tests rc $?" >> $OUT/kernel_tests.log
       tail -4 $OUT/kernel_tests.log
       timeout ${KBENCH_LIMIT:-200} python3 scripts/bench_decode_kernels.py --out $OUT > $OUT/bench_decode_kernels.log 2>&1
