@@ -157,8 +157,12 @@ class SchedulerLoop:
         stats = self.scheduler.stats()
         changed = (stats.running, stats.waiting, stats.kv_pages_in_use, stats.state_slots_in_use,
                    stats.kv_pages_cached, stats.state_slots_cached, tuple(sorted(stats.counters.items())))
-        # Idle transitions go out at once so gauges read 0 as soon as the last request ends.
-        if changed != self._last_stats and (now - self._last_stats_time >= STATS_INTERVAL or stats.running == 0):
+        # Transitions into and out of idle go out at once: gauges read 0 as soon as the last request ends,
+        # and a reader that saw idle sees the next request start before any of its output arrives (stats and
+        # output reach the frontend in order), so it never takes the earlier idle snapshot for the later one.
+        was_idle = self._last_stats is not None and self._last_stats[0] == 0
+        if changed != self._last_stats and (now - self._last_stats_time >= STATS_INTERVAL or stats.running == 0
+                                            or was_idle):
             self.to_detok.send(stats)
             self._last_stats, self._last_stats_time = changed, now
 

@@ -193,3 +193,30 @@ def test_a_method_the_path_does_not_take_gets_405_with_allow(server):
         assert e.value.code == 405
         assert allowed in e.value.headers["Allow"]
         assert "error" in json.loads(e.value.read())
+
+
+def test_scheduler_stats_leave_idle_at_once():
+    """The scheduler rate-limits its stats, except transitions into and out of idle: the frontend sees a
+    request start before its output, so a reader polling for idle after a response never takes the idle
+    snapshot from before that request for the one after it (with its counters not yet counted)."""
+    from types import SimpleNamespace
+
+    from tidal.scheduler.process import SchedulerLoop
+
+    sent = []
+    proc = SchedulerLoop.__new__(SchedulerLoop)
+    proc.to_detok = SimpleNamespace(send=sent.append)
+    proc._last_stats, proc._last_stats_time = None, 0.0
+
+    def stats(running: int, cached: int):
+        proc.scheduler = SimpleNamespace(stats=lambda: SimpleNamespace(
+            running=running, waiting=0, kv_pages_in_use=running, state_slots_in_use=running, kv_pages_cached=3,
+            state_slots_cached=1, counters={"cached_tokens": cached}))
+        proc._send_stats()
+        return len(sent)
+
+    assert stats(0, 0) == 1  # idle: at once
+    assert stats(1, 256) == 2  # leaves idle within the interval: at once
+    assert stats(1, 300) == 2  # busy and changed within the interval: held back
+    assert stats(0, 300) == 3  # back to idle: at once, with the counters
+    assert sent[-1].counters == {"cached_tokens": 300}
