@@ -64,7 +64,8 @@ def selected_block_mask(block_sel: torch.Tensor, q_pos: torch.Tensor, kv_len: in
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
-                        block_sel: torch.Tensor | None = None, qsa_ratio: int = 0) -> torch.Tensor:
+                        block_sel: torch.Tensor | None = None, qsa_ratio: int = 0,
+                        gate: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (or QSA-selected) attention of packed query segments over a paged KV cache.
 
     The CPU path and the oracle of ``attention_triton.paged_attention`` (same arguments, minus the
@@ -80,6 +81,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scale: multiplies ``q · k``.
         block_sel: optional int ``[T, K]`` selected complete blocks per row (``-1`` = empty); with it each
             row sees only its selected blocks of ``qsa_ratio`` keys plus its tail (see ``selected_block_mask``).
+        gate: optional ``[T, H, D]`` output gate (any strides, unit stride in D): the result is multiplied by
+            ``sigmoid(gate)`` in q's dtype, the gated attention's output gate.
     Returns ``[T, H, D]`` in q's dtype, computed in fp32.
     """
     if block_sel is not None and qsa_ratio <= 0:
@@ -109,17 +112,18 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             out[row0 + lo:row0 + hi] = masked_attention(
                 q[row0 + lo:row0 + hi].float(), keys[:visible], values[:visible], mask, scale
             ).to(q.dtype)
-    return out
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
-                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int) -> torch.Tensor:
+                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, gate: torch.Tensor | None = None,
+                    max_seqlen_q: int) -> torch.Tensor:
     """The Triton kernel on a GPU (``attention_triton.paged_attention``), else :func:`paged_attention_ref`."""
     if use_triton(q, "attention"):
         from .attention_triton import paged_attention as triton_attention
 
         return triton_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, block_sel=block_sel,
-                                qsa_ratio=qsa_ratio, max_seqlen_q=max_seqlen_q)
+                                qsa_ratio=qsa_ratio, gate=gate, max_seqlen_q=max_seqlen_q)
     return paged_attention_ref(q, k_cache, v_cache, page_table, cu_seqlens_q, kv_lens, scale, block_sel=block_sel,
-                               qsa_ratio=qsa_ratio)
+                               qsa_ratio=qsa_ratio, gate=gate)

@@ -2,15 +2,18 @@
 
 Same contract as :func:`tidal.kernels.attention.paged_attention_ref`, which is the oracle. Two kernels:
 
-* ``_tile_kernel``: dense causal prefill, flash-attention style. One program per (query head, tile of
+* ``_tile_kernel``: causal prefill, flash-attention style. One program per (query head, tile of
   ``BLOCK_M`` rows, segment); it walks key tiles through the page table with an online softmax, masks
-  only the tiles that cross the diagonal and stops at the tile's last query position.
+  only the tiles that cross the diagonal and stops at the tile's last query position. QSA prompt rows
+  at positions below :data:`QSA_TILE_BELOW` run here too: the key tiles are read dense and each row's
+  unselected keys are masked out of its scores with a per-row block mask.
 * ``_row_kernel``: one program per (query row, kv head, key split) with the kv head's query heads as the
-  M dimension of the dots (padded to 16). It handles every row with ``block_sel`` (walking the selected
-  blocks, then the tail) and dense decodes (1-row segments, walking all keys). Long decodes are split
+  M dimension of the dots (padded to 16). It handles the other QSA rows (walking the selected blocks,
+  then the tail) and dense decodes (1-row segments, walking all keys). Long decodes are split
   over several programs whose partial results ``_combine_kernel`` merges (flash-decoding), since
   a few decodes alone would occupy only a handful of SMs.
 
+The output gate of the gated attention (``out * sigmoid(gate)``) is applied where each kernel stores.
 Nothing here reads a device value on the host: the grids come from shapes, ``max_seqlen_q`` and
 whether ``block_sel`` is given; programs whose rows belong to the other kernel exit at once.
 Softmax statistics are fp32 in base 2 (``exp2`` with ``scale * log2(e)`` folded into the scores).
@@ -55,16 +58,24 @@ _ROW_CONFIGS_32BIT: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 1), 32: (64, 4, 1), 64: (64, 4, 1), 128: (32, 8, 1), 256: (32, 8, 1),
 }
 _MAX_SPLITS = 32
+# QSA prompt rows at positions below this run in the tile kernel: dense key tiles with the unselected keys
+# masked out, at tensor-core rate (a dense 32K causal layer, D=256: 19.9 ms, 442 TFLOP/s); the rows past it
+# in the row kernel, whose gathers of the selected blocks cost the same at any position (32K rows, top-32
+# blocks of 64: 25.5 ms). A row's dense cost grows with its position and reaches its gather cost near 22K
+# keys (docs/device/tune_attention_1.log).
+QSA_TILE_BELOW = 20480
 
 
 @triton.jit
 def _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, load_ok, allow, kv_off, m_i, l_i, acc, qk_scale,
             stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-            PAGE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+            PAGE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr,
+            ALLOW: tl.constexpr = False):
     """One key tile of the online softmax; keys are read through the page table row ``pt_row_ptr``.
 
     Without ``MASKED`` every key is valid and allowed (tiles below the diagonal), so the loads carry no
-    key mask, and no mask at all when the head dim is a power of two.
+    key mask, and no mask at all when the head dim is a power of two; ``ALLOW`` then still applies
+    ``allow`` to the scores (QSA tiles below the diagonal: every key valid, only the selected ones allowed).
     """
     if MASKED:
         page = tl.load(pt_row_ptr + keys // PAGE, mask=load_ok, other=0).to(tl.int64)
@@ -83,7 +94,7 @@ def _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, load_ok, allow, kv_off, m_i, l_i,
         k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-    if MASKED:
+    if MASKED or ALLOW:
         s = tl.where(allow, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -94,12 +105,30 @@ def _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, load_ok, allow, kv_off, m_i, l_i,
 
 
 @triton.jit
-def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, qk_scale,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
-                 stride_vp, stride_vr, stride_vh, stride_pt,
+def _gated(out, g_ptrs, mask, dtype, HAS_GATE: tl.constexpr):
+    """``out`` (fp32) in ``dtype``, times ``sigmoid(gate)`` when ``HAS_GATE``, rounded as torch rounds
+    ``out.to(dtype) * torch.sigmoid(gate)``: the output, the sigmoid and the product each in ``dtype``."""
+    o = out.to(dtype)
+    if HAS_GATE:
+        g = tl.sigmoid(tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        o = (o.to(tl.float32) * g.to(tl.float32)).to(dtype)
+    return o
+
+
+@triton.jit
+def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, pt_ptr, cu_ptr, kvlen_ptr, bm_ptr, qk_scale, tile_below,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh, stride_kp, stride_kr, stride_kh,
+                 stride_vp, stride_vr, stride_vh, stride_pt, stride_bm,
                  GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Dense causal attention of one tile of a multi-row segment for one query head."""
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_GATE: tl.constexpr,
+                 SELECTED: tl.constexpr, RATIO: tl.constexpr):
+    """Causal attention of one tile of a multi-row segment for one query head.
+
+    With ``SELECTED`` (QSA) only the tile's rows at positions below ``tile_below`` are computed and stored
+    (the row kernel takes the rest). A row sees the keys of its selected complete blocks, read from the
+    block mask ``bm`` (``[blocks + 1, T]`` bytes, one row per block), plus its tail block up to itself:
+    every key tile is read dense and the unselected keys are masked out of the scores.
+    """
     head = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) tiles start first
     seg = tl.program_id(2)
@@ -114,6 +143,11 @@ def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, qk_scale
     q_pos = kv_len - seg_len + offs_m
     first_pos = kv_len - seg_len + start
     end_key = tl.minimum(first_pos + BLOCK_M, kv_len)  # one past the tile's last query position
+    if SELECTED:
+        if first_pos >= tile_below:
+            return
+        row_ok = row_ok & (q_pos < tile_below)
+        end_key = tl.minimum(end_key, tile_below)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = (row0 + offs_m).to(tl.int64)
@@ -125,22 +159,50 @@ def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, cu_ptr, kvlen_ptr, qk_scale
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    # Key tiles entirely at or before the first query position need no causal mask.
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
-    for key0 in range(0, full_end, BLOCK_N):
-        keys = key0 + offs_n
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, None, None, kv_off, m_i, l_i, acc,
-                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                PAGE, False, HEAD_DIM == BLOCK_D, DOT_PREC)
-    for key0 in range(full_end, end_key, BLOCK_N):
-        keys = key0 + offs_n
-        allow = keys[None, :] <= q_pos[:, None]
-        m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i, acc,
-                                qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
-                                PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
+    if SELECTED:
+        # Key tiles before the first row's tail block hold complete blocks of every row: the block mask
+        # alone decides. Past it, a key is allowed when selected and before the row's own tail, or in
+        # the tail up to the row. Rows of the mask past the segment read as zero (padding rows' bytes).
+        tail0 = ((q_pos + 1) // RATIO) * RATIO
+        bm_rows = tl.where(row_ok, rows, 0)
+        full_end = ((first_pos + 1) // RATIO) * RATIO // BLOCK_N * BLOCK_N
+        for key0 in range(0, full_end, BLOCK_N):
+            keys = key0 + offs_n
+            if RATIO % BLOCK_N == 0:  # the tile lies in one block: one contiguous byte per row
+                allow = (tl.load(bm_ptr + (key0 // RATIO) * stride_bm + bm_rows) != 0)[:, None]
+            else:
+                allow = tl.load(bm_ptr + (keys // RATIO)[None, :] * stride_bm + bm_rows[:, None]) != 0
+            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, None, allow, kv_off, m_i, l_i, acc,
+                                    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                    PAGE, False, HEAD_DIM == BLOCK_D, DOT_PREC, True)
+        for key0 in range(full_end, end_key, BLOCK_N):
+            keys = key0 + offs_n
+            blk = tl.minimum(keys, end_key - 1) // RATIO
+            marked = tl.load(bm_ptr + blk[None, :] * stride_bm + bm_rows[:, None]) != 0
+            allow = (marked & (keys[None, :] < tail0[:, None])) | \
+                ((keys[None, :] >= tail0[:, None]) & (keys[None, :] <= q_pos[:, None]))
+            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i,
+                                    acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                    PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
+    else:
+        # Key tiles entirely at or before the first query position need no causal mask.
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        for key0 in range(0, full_end, BLOCK_N):
+            keys = key0 + offs_n
+            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, None, None, kv_off, m_i, l_i, acc,
+                                    qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                    PAGE, False, HEAD_DIM == BLOCK_D, DOT_PREC)
+        for key0 in range(full_end, end_key, BLOCK_N):
+            keys = key0 + offs_n
+            allow = keys[None, :] <= q_pos[:, None]
+            m_i, l_i, acc = _attend(q, k_ptr, v_ptr, pt_row_ptr, keys, keys < kv_len, allow, kv_off, m_i, l_i,
+                                    acc, qk_scale, stride_kp, stride_kr, stride_vp, stride_vr, offs_d, d_ok,
+                                    PAGE, True, HEAD_DIM == BLOCK_D, DOT_PREC)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    mask = row_ok[:, None] & d_ok[None, :]
+    out = _gated(out, g_ptr + rows[:, None] * stride_gt + head * stride_gh + offs_d[None, :], mask,
+                 o_ptr.dtype.element_ty, HAS_GATE)
+    tl.store(o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=mask)
 
 
 @triton.jit
@@ -169,14 +231,17 @@ def _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED: tl.constexpr):
 
 
 @triton.jit
-def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu_ptr, kvlen_ptr, sel_ptr,
-                qk_scale, num_segs, search_iters, num_splits,
-                stride_qt, stride_qh, stride_ot, stride_oh, stride_kp, stride_kr, stride_kh,
+def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu_ptr, kvlen_ptr, sel_ptr,
+                qk_scale, num_segs, search_iters, num_splits, tile_below,
+                stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh, stride_kp, stride_kr, stride_kh,
                 stride_vp, stride_vr, stride_vh, stride_pt, stride_sel,
                 GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, SELECTED: tl.constexpr,
                 RATIO: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, HAS_GATE: tl.constexpr):
     """One query row x one kv head (all its query heads) x one split of the row's key list.
+
+    With ``SELECTED`` prompt rows (segments of more than one row) at positions below ``tile_below`` are
+    left to the tile kernel.
 
     The key list is virtual: with ``SELECTED`` entry ``v < TOPK*RATIO`` is key ``v % RATIO`` of the row's
     ``v // RATIO``-th selected block and the next ``RATIO`` entries are the tail block; otherwise entry
@@ -190,6 +255,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
         return
     kv_len = tl.load(kvlen_ptr + seg)
     pos = kv_len - seg_len + j
+    if SELECTED:
+        if (seg_len > 1) & (pos < tile_below):  # a prompt row the tile kernel computed
+            return
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
@@ -230,8 +298,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_mask = h_ok[:, None] & d_ok[None, :]
     if not SPLIT:
-        tl.store(o_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+        out = _gated(out, g_ptr + row64 * stride_gt + heads[:, None] * stride_gh + offs_d[None, :], out_mask,
+                     o_ptr.dtype.element_ty, HAS_GATE)
+        tl.store(o_ptr + row64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out, mask=out_mask)
     else:
         num_heads = tl.num_programs(1) * GROUP
         part = (slot.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_H]
@@ -241,9 +310,9 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu
 
 
 @triton.jit
-def _combine_kernel(o_ptr, part_o_ptr, part_lse_ptr, cu_ptr, num_segs, search_iters, num_splits, stride_ot,
-                    stride_oh, SELECTED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _combine_kernel(o_ptr, g_ptr, part_o_ptr, part_lse_ptr, cu_ptr, num_segs, search_iters, num_splits, stride_ot,
+                    stride_oh, stride_gt, stride_gh, SELECTED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
     """Merge the split results of one (slot, query head) by their log-sum-exp weights."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
@@ -263,8 +332,9 @@ def _combine_kernel(o_ptr, part_o_ptr, part_lse_ptr, cu_ptr, num_segs, search_it
                 other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
-             mask=d_ok)
+    row64 = row.to(tl.int64)
+    out = _gated(out, g_ptr + row64 * stride_gt + head * stride_gh + offs_d, d_ok, o_ptr.dtype.element_ty, HAS_GATE)
+    tl.store(o_ptr + row64 * stride_ot + head * stride_oh + offs_d, out, mask=d_ok)
 
 
 @cache
@@ -281,15 +351,18 @@ def _pick_splits(programs: int, max_tiles: int, device: torch.device) -> int:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
-                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, max_seqlen_q: int,
-                    num_splits: int | None = None) -> torch.Tensor:
+                    block_sel: torch.Tensor | None = None, qsa_ratio: int = 0, gate: torch.Tensor | None = None,
+                    max_seqlen_q: int, num_splits: int | None = None,
+                    qsa_tile_below: int = QSA_TILE_BELOW) -> torch.Tensor:
     """Triton version of :func:`tidal.kernels.attention.paged_attention_ref` (see it for the arguments).
 
     ``max_seqlen_q`` (host int, the longest segment) sizes the prefill grid without a device sync.
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
-    chosen from the SM count for decode batches, none when the batch holds prompt rows). Without
-    ``block_sel`` multi-row segments go to the tile kernel and 1-row segments to the row kernel; with
-    ``block_sel`` every row goes to the row kernel.
+    chosen from the SM count for decode batches, none when the batch holds prompt rows). Multi-row
+    segments go to the tile kernel and 1-row segments to the row kernel; with ``block_sel`` only the
+    prompt rows at positions below ``qsa_tile_below`` (see :data:`QSA_TILE_BELOW`) take the tile
+    kernel, the others the row kernel. Which kernel computes a row depends only on its position and
+    segment length, so a prompt row gives the same bits however its prompt is chunked.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -299,7 +372,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "head dim must be contiguous"
     assert page_table.stride(-1) == 1 and cu_seqlens_q.is_contiguous() and kv_lens.is_contiguous()
+    if gate is not None:
+        assert gate.shape == q.shape and gate.dtype == q.dtype and gate.stride(-1) == 1, "gate must be like q"
     out = torch.empty_like(q)
+    g, stride_gt, stride_gh = (gate, gate.stride(0), gate.stride(1)) if gate is not None else (out, 0, 0)
     num_segs = cu_seqlens_q.numel() - 1
     if tokens == 0 or num_segs == 0:
         return out
@@ -312,23 +388,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0))
 
-    if block_sel is None and max_seqlen_q > 1:
-        block_m, block_n, warps, stages = (_TILE_CONFIGS_32BIT if wide else _TILE_CONFIGS_16BIT)[block_d]
-        grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), num_segs)
-        _tile_kernel[grid](
-            q, k_cache, v_cache, out, page_table, cu_seqlens_q, kv_lens, qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common,
-            GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
-        )
-        if tokens == num_segs * max_seqlen_q:  # every segment has max_seqlen_q > 1 rows: no decodes
-            return out
-
     selected = block_sel is not None
-    block_n, warps, stages = (_ROW_CONFIGS_32BIT if wide else _ROW_CONFIGS_16BIT)[block_d]
     if selected:
         assert qsa_ratio > 0, "block_sel needs qsa_ratio > 0"
         assert block_sel.shape[0] == tokens and block_sel.stride(-1) == 1
+    tile_below = qsa_tile_below if selected and max_seqlen_q > 1 else 0
+    if max_seqlen_q > 1 and (not selected or tile_below > 0):
+        block_m, block_n, warps, stages = (_TILE_CONFIGS_32BIT if wide else _TILE_CONFIGS_16BIT)[block_d]
+        bm, stride_bm = kv_lens, 0
+        if selected:
+            # Block mask [blocks + 1, T]: byte (b, t) is set when row t selected complete block b. Entries
+            # that are empty or name blocks past tile_below land in the spare last block row, which covers
+            # keys at or past tile_below only, where the tile kernel never looks.
+            blocks = triton.cdiv(tile_below, qsa_ratio)
+            sel = block_sel.long()
+            sel = torch.where((sel >= 0) & (sel < blocks), sel, blocks)
+            bm = torch.zeros(blocks + 1, tokens, dtype=torch.uint8, device=q.device)
+            bm.scatter_(0, sel.t(), 1)
+            stride_bm = bm.stride(0)
+        grid = (num_heads, triton.cdiv(max_seqlen_q, block_m), num_segs)
+        _tile_kernel[grid](
+            q, k_cache, v_cache, out, g, page_table, cu_seqlens_q, kv_lens, bm, qk_scale, tile_below,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_gt, stride_gh, *common, stride_bm,
+            GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            DOT_PREC=dot_prec, HAS_GATE=gate is not None, SELECTED=selected, RATIO=max(qsa_ratio, 1),
+            num_warps=warps, num_stages=stages,
+        )
+        if not selected and tokens == num_segs * max_seqlen_q:  # only multi-row segments: no decodes
+            return out
+
+    block_n, warps, stages = (_ROW_CONFIGS_32BIT if wide else _ROW_CONFIGS_16BIT)[block_d]
+    if selected:
         topk = block_sel.shape[1]
         slots, ratio, sel, stride_sel = tokens, qsa_ratio, block_sel, block_sel.stride(0)
         max_tiles = triton.cdiv((topk + 1) * ratio, block_n)
@@ -351,18 +441,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_o = part_lse = out  # unused
     _row_kernel[(slots, kv_heads, splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, page_table, cu_seqlens_q, kv_lens, sel,
-        qk_scale, num_segs, search_iters, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *common, stride_sel,
+        q, k_cache, v_cache, out, g, part_o, part_lse, page_table, cu_seqlens_q, kv_lens, sel,
+        qk_scale, num_segs, search_iters, splits, tile_below,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_gt, stride_gh, *common, stride_sel,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, SELECTED=selected, RATIO=ratio, TOPK=topk,
         SPLIT=splits > 1, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PREC=dot_prec, num_warps=warps, num_stages=stages,
+        DOT_PREC=dot_prec, HAS_GATE=gate is not None, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _combine_kernel[(slots, num_heads)](
-            out, part_o, part_lse, cu_seqlens_q, num_segs, search_iters, splits, out.stride(0), out.stride(1),
-            SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, num_warps=4,
+            out, g, part_o, part_lse, cu_seqlens_q, num_segs, search_iters, splits, out.stride(0), out.stride(1),
+            stride_gt, stride_gh, SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
         )
     return out
 

@@ -91,7 +91,7 @@ def loop_attention(case: dict) -> torch.Tensor:
                 keys = list(range(p + 1))
             else:
                 tail = (p + 1) // ratio * ratio
-                chosen = {b * ratio + r for b in sel[row] if b >= 0 for r in range(ratio)}
+                chosen = {b * ratio + r for b in sel[row] if 0 <= b < tail // ratio for r in range(ratio)}
                 keys = sorted(chosen | set(range(tail, p + 1)))
             pages = torch.tensor([page_table[i][key // page_size] for key in keys])
             offs = torch.tensor([key % page_size for key in keys])
@@ -107,11 +107,25 @@ def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).abs().max() / max(1.0, float(ref.abs().max())))
 
 
-def run_both(case: dict, num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def output_gate(case: dict, seed: int) -> torch.Tensor:
+    """A gate laid out as the layer's: the second half of each head's ``[q, gate]`` projection (a strided view)."""
+    q = case["q"]
+    gen = torch.Generator().manual_seed(seed)
+    q_gate = 2 * torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2], generator=gen)
+    return q_gate.to(q.dtype).to(q.device)[..., q.shape[2]:]
+
+
+def gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """The oracle's output gate, in float64."""
+    return out if gate is None else out * torch.sigmoid(gate.double().cpu())
+
+
+def run_both(case: dict, num_splits: int | None = None, gate: torch.Tensor | None = None,
+             **kw) -> tuple[torch.Tensor, torch.Tensor]:
     args = [case[n] for n in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "kv_lens", "scale")]
-    ref = paged_attention_ref(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"])
-    out = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"],
-                          max_seqlen_q=case["max_seqlen_q"], num_splits=num_splits)
+    ref = paged_attention_ref(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"], gate=gate)
+    out = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"], gate=gate,
+                          max_seqlen_q=case["max_seqlen_q"], num_splits=num_splits, **kw)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     return out, ref
@@ -123,14 +137,34 @@ MIXED = dict(lengths=[1, 7, 33, 1, 50, 0, 140], prefixes=[5, 0, 19, 40, 45, 4, 6
 MIXED_QSA = dict(lengths=[1, 7, 33, 1, 50, 0, 12], prefixes=[5, 0, 19, 40, 70, 4, 90])
 
 
-@pytest.mark.parametrize("head_dim,page_size", [(16, 4), (32, 16), (24, 16)])
+@pytest.mark.parametrize("head_dim,page_size,with_gate", [(16, 4, False), (32, 16, True), (24, 16, True)])
 @pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
-def test_mixed_prefill_and_decode(head_dim: int, page_size: int, selected: bool) -> None:
+def test_mixed_prefill_and_decode(head_dim: int, page_size: int, with_gate: bool, selected: bool) -> None:
     case = make_case(**(MIXED_QSA if selected else MIXED), heads=4, kv_heads=2, head_dim=head_dim,
                      page_size=page_size, dtype=torch.float32, device=DEVICE, seed=head_dim + page_size,
                      ratio=8 if selected else 0, topk=3 if selected else 0)
-    out, ref = run_both(case)
-    assert max_rel_err(ref, loop_attention(case)) < 1e-5
+    gate = output_gate(case, seed=head_dim) if with_gate else None
+    out, ref = run_both(case, gate=gate)
+    assert max_rel_err(ref, gated(loop_attention(case), gate)) < 1e-5
+    assert max_rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("ratio,tile_below", [(8, 0), (8, 75), (8, 10 ** 6), (32, 150), (32, 10 ** 6)])
+def test_qsa_prompt_rows_tile_and_row_kernels(ratio: int, tile_below: int) -> None:
+    """QSA prompt rows below ``qsa_tile_below`` in the tile kernel (dense key tiles, the block mask: one byte a
+    row when a key tile lies in one block, as ratio 32 with 32-key tiles here; a gathered mask otherwise), the
+    others in the row kernel; 0 puts every row in the row kernel. Segments cross the boundary, and rows'
+    selections include a block that is not complete for them (ignored) and empty entries."""
+    case = make_case([1, 70, 1, 96, 33], [40, 50, 300, 130, 0], heads=4, kv_heads=2, head_dim=32, page_size=16,
+                     dtype=torch.float32, device=DEVICE, seed=ratio + tile_below % 97, ratio=ratio, topk=3)
+    cu, kv_lens = case["cu_seqlens_q"].cpu(), case["kv_lens"].cpu()
+    q_pos = torch.cat([torch.arange(kv - n, kv) for kv, n in zip(kv_lens.tolist(), cu.diff().tolist(), strict=True)])
+    gen = torch.Generator().manual_seed(4)
+    late = ((q_pos + 1) // ratio + torch.randint(0, 3, q_pos.shape, generator=gen)).to(case["block_sel"])
+    case["block_sel"] = torch.cat([case["block_sel"], late[:, None]], dim=1).contiguous()
+    gate = output_gate(case, seed=ratio)
+    out, ref = run_both(case, gate=gate, qsa_tile_below=tile_below)
+    assert max_rel_err(ref, gated(loop_attention(case), gate)) < 1e-5
     assert max_rel_err(out, ref) < 1e-5
 
 
@@ -153,15 +187,16 @@ def test_prompt_rows_do_not_depend_on_the_chunk(selected: bool) -> None:
         assert torch.equal(chunk, whole[-rows:])
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("num_splits,with_gate", [(None, False), (1, True), (3, False), (3, True)])
 @pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
-def test_decode_only(num_splits: int | None, selected: bool) -> None:
+def test_decode_only(num_splits: int | None, with_gate: bool, selected: bool) -> None:
     contexts = [1, 9, 64, 100, 257]
     case = make_case([1] * 5, [c - 1 for c in contexts], heads=4, kv_heads=2, head_dim=16, page_size=16,
                      dtype=torch.float32, device=DEVICE, seed=7, ratio=8 if selected else 0,
                      topk=3 if selected else 0)
-    out, ref = run_both(case, num_splits)
-    assert max_rel_err(ref, loop_attention(case)) < 1e-5
+    gate = output_gate(case, seed=5) if with_gate else None
+    out, ref = run_both(case, num_splits, gate)
+    assert max_rel_err(ref, gated(loop_attention(case), gate)) < 1e-5
     assert max_rel_err(out, ref) < 1e-5
 
 
@@ -190,7 +225,17 @@ def test_model_shapes_gpu(dtype: torch.dtype, tol: float, selected: bool) -> Non
     case = model_case(dtype, selected)
     out, ref = run_both(case)
     assert max_rel_err(out, ref) < tol
+    if selected:  # the chunk's rows all in the row kernel, and split between the two kernels at position 4000
+        for tile_below in (0, 4000):
+            assert max_rel_err(run_both(case, qsa_tile_below=tile_below)[0], ref) < tol
     args = [case[n] for n in ("q", "k_cache", "v_cache", "page_table", "cu_seqlens_q", "kv_lens", "scale")]
     out_split = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"],
                                 max_seqlen_q=case["max_seqlen_q"], num_splits=5)
     assert max_rel_err(out_split, ref) < tol
+    # The output gate as the layer passes it: fused into the kernels' stores, rounded as torch rounds.
+    gate = output_gate(case, seed=12)
+    for splits in (None, 5):
+        gated_out = paged_attention(*args, block_sel=case["block_sel"], qsa_ratio=case["qsa_ratio"], gate=gate,
+                                    max_seqlen_q=case["max_seqlen_q"], num_splits=splits)
+        expect = (out if splits is None else out_split) * torch.sigmoid(gate)
+        assert max_rel_err(gated_out, expect) < (1e-6 if dtype == torch.float32 else 1e-2)

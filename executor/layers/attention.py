@@ -140,7 +140,6 @@ class GatedAttention(nn.Module):
         a = batch.all
         out = paged_attention(q, kv.k[layer], kv.v[layer], a.page_table, a.cu_seqlens, a.kv_lens, self.scale,
                               block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
-                              max_seqlen_q=a.max_seqlen)
-        # The gate is read where the projection wrote it (a strided view): no copy of it first.
-        out = (out * torch.sigmoid(gate)).reshape(tokens, -1)
-        return self.o_proj(out)  # a partial sum over this rank's heads under tensor parallelism
+                              gate=gate, max_seqlen_q=a.max_seqlen)
+        # The output gate is applied inside the attention, read where the projection wrote it (a strided view).
+        return self.o_proj(out.reshape(tokens, -1))  # a partial sum over this rank's heads under tensor parallelism
