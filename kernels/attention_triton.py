@@ -310,15 +310,19 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, part_o_ptr, part_lse_ptr, pt_
 
 
 @triton.jit
-def _combine_kernel(o_ptr, g_ptr, part_o_ptr, part_lse_ptr, cu_ptr, num_segs, search_iters, num_splits, stride_ot,
-                    stride_oh, stride_gt, stride_gh, SELECTED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
-    """Merge the split results of one (slot, query head) by their log-sum-exp weights."""
+def _combine_kernel(o_ptr, g_ptr, part_o_ptr, part_lse_ptr, cu_ptr, kvlen_ptr, num_segs, search_iters, num_splits,
+                    tile_below, stride_ot, stride_oh, stride_gt, stride_gh, SELECTED: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Merge the split results of one (slot, query head) by their log-sum-exp weights (the rows the row
+    kernel computed: not the prompt rows it left to the tile kernel)."""
     slot = tl.program_id(0)
     head = tl.program_id(1)
     seg, row, seg_len, j, live = _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED)
     if not live:
         return
+    if SELECTED:
+        if (seg_len > 1) & (tl.load(kvlen_ptr + seg) - seg_len + j < tile_below):
+            return
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
@@ -450,8 +454,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     )
     if splits > 1:
         _combine_kernel[(slots, num_heads)](
-            out, g, part_o, part_lse, cu_seqlens_q, num_segs, search_iters, splits, out.stride(0), out.stride(1),
-            stride_gt, stride_gh, SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
+            out, g, part_o, part_lse, cu_seqlens_q, kv_lens, num_segs, search_iters, splits, tile_below,
+            out.stride(0), out.stride(1), stride_gt, stride_gh, SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
             BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
         )
     return out

@@ -149,12 +149,14 @@ def test_mixed_prefill_and_decode(head_dim: int, page_size: int, with_gate: bool
     assert max_rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("ratio,tile_below", [(8, 0), (8, 75), (8, 10 ** 6), (32, 150), (32, 10 ** 6)])
-def test_qsa_prompt_rows_tile_and_row_kernels(ratio: int, tile_below: int) -> None:
+@pytest.mark.parametrize("ratio,tile_below,num_splits", [(8, 0, None), (8, 75, None), (8, 75, 3), (8, 10 ** 6, None),
+                                                          (32, 150, None), (32, 10 ** 6, 3)])
+def test_qsa_prompt_rows_tile_and_row_kernels(ratio: int, tile_below: int, num_splits: int | None) -> None:
     """QSA prompt rows below ``qsa_tile_below`` in the tile kernel (dense key tiles, the block mask: one byte a
     row when a key tile lies in one block, as ratio 32 with 32-key tiles here; a gathered mask otherwise), the
     others in the row kernel; 0 puts every row in the row kernel. Segments cross the boundary, and rows'
-    selections include a block that is not complete for them (ignored) and empty entries."""
+    selections include a block that is not complete for them (ignored) and empty entries. With forced key
+    splits the merge must leave the tile kernel's rows alone."""
     case = make_case([1, 70, 1, 96, 33], [40, 50, 300, 130, 0], heads=4, kv_heads=2, head_dim=32, page_size=16,
                      dtype=torch.float32, device=DEVICE, seed=ratio + tile_below % 97, ratio=ratio, topk=3)
     cu, kv_lens = case["cu_seqlens_q"].cpu(), case["kv_lens"].cpu()
@@ -163,7 +165,7 @@ def test_qsa_prompt_rows_tile_and_row_kernels(ratio: int, tile_below: int) -> No
     late = ((q_pos + 1) // ratio + torch.randint(0, 3, q_pos.shape, generator=gen)).to(case["block_sel"])
     case["block_sel"] = torch.cat([case["block_sel"], late[:, None]], dim=1).contiguous()
     gate = output_gate(case, seed=ratio)
-    out, ref = run_both(case, gate=gate, qsa_tile_below=tile_below)
+    out, ref = run_both(case, num_splits, gate, qsa_tile_below=tile_below)
     assert max_rel_err(ref, gated(loop_attention(case), gate)) < 1e-5
     assert max_rel_err(out, ref) < 1e-5
 
