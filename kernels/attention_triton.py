@@ -162,7 +162,7 @@ def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, pt_ptr, cu_ptr, kvlen_ptr, b
     if SELECTED:
         # Key tiles before the first row's tail block hold complete blocks of every row: the block mask
         # alone decides. Past it, a key is allowed when selected and before the row's own tail, or in
-        # the tail up to the row. Rows of the mask past the segment read as zero (padding rows' bytes).
+        # the tail up to the row. Rows the tile does not compute read the mask's first row; they are not stored.
         tail0 = ((q_pos + 1) // RATIO) * RATIO
         bm_rows = tl.where(row_ok, rows, 0)
         full_end = ((first_pos + 1) // RATIO) * RATIO // BLOCK_N * BLOCK_N
