@@ -455,8 +455,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits > 1:
         _combine_kernel[(slots, num_heads)](
             out, g, part_o, part_lse, cu_seqlens_q, kv_lens, num_segs, search_iters, splits, tile_below,
-            out.stride(0), out.stride(1), stride_gt, stride_gh, SELECTED=selected, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
+            out.stride(0), out.stride(1), stride_gt, stride_gh, SELECTED=selected, HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=4,
         )
     return out
 
