@@ -64,6 +64,9 @@ _MAX_SPLITS = 32
 # blocks of 64: 25.5 ms). A row's dense cost grows with its position and reaches its gather cost near 22K
 # keys (docs/device/tune_attention_1.log).
 QSA_TILE_BELOW = 20480
+# At most this many blocks below the split (the block mask is one byte per block and row): with small QSA
+# blocks the split comes earlier (the mask of a 32K-row batch stays under 64 MiB).
+_QSA_TILE_MAX_BLOCKS = 2048
 
 
 @triton.jit
@@ -364,9 +367,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ``num_splits`` overrides the key-split count of the row kernel (a tuning/testing knob; default:
     chosen from the SM count for decode batches, none when the batch holds prompt rows). Multi-row
     segments go to the tile kernel and 1-row segments to the row kernel; with ``block_sel`` only the
-    prompt rows at positions below ``qsa_tile_below`` (see :data:`QSA_TILE_BELOW`) take the tile
-    kernel, the others the row kernel. Which kernel computes a row depends only on its position and
-    segment length, so a prompt row gives the same bits however its prompt is chunked.
+    prompt rows at positions below ``qsa_tile_below`` (see :data:`QSA_TILE_BELOW`; at most
+    ``qsa_ratio`` times :data:`_QSA_TILE_MAX_BLOCKS`) take the tile kernel, the others the row kernel.
+    Which kernel computes a row depends only on its position and segment length, so a prompt row gives
+    the same bits however its prompt is chunked.
     """
     tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
@@ -396,7 +400,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if selected:
         assert qsa_ratio > 0, "block_sel needs qsa_ratio > 0"
         assert block_sel.shape[0] == tokens and block_sel.stride(-1) == 1
-    tile_below = qsa_tile_below if selected and max_seqlen_q > 1 else 0
+    tile_below = min(qsa_tile_below, _QSA_TILE_MAX_BLOCKS * qsa_ratio) if selected and max_seqlen_q > 1 else 0
     if max_seqlen_q > 1 and (not selected or tile_below > 0):
         block_m, block_n, warps, stages = (_TILE_CONFIGS_32BIT if wide else _TILE_CONFIGS_16BIT)[block_d]
         bm, stride_bm = kv_lens, 0

@@ -170,6 +170,20 @@ def test_qsa_prompt_rows_tile_and_row_kernels(ratio: int, tile_below: int, num_s
     assert max_rel_err(out, ref) < 1e-5
 
 
+def test_qsa_tile_split_capped_by_block_count(monkeypatch) -> None:
+    """The block mask has a byte per block and row, so the split moves earlier for small blocks: with room
+    for 4 blocks of 8 keys, rows from position 32 on run in the row kernel, as with the split set at 32."""
+    import tidal.kernels.attention_triton as attention_triton
+
+    case = make_case([70, 1, 96], [50, 300, 0], heads=4, kv_heads=2, head_dim=16, page_size=16,
+                     dtype=torch.float32, device=DEVICE, seed=21, ratio=8, topk=3)
+    at_32, ref = run_both(case, qsa_tile_below=32)
+    monkeypatch.setattr(attention_triton, "_QSA_TILE_MAX_BLOCKS", 4)
+    capped, _ = run_both(case)
+    assert torch.equal(capped, at_32)
+    assert max_rel_err(capped, ref) < 1e-5
+
+
 @pytest.mark.parametrize("selected", [False, True], ids=["dense", "qsa"])
 def test_prompt_rows_do_not_depend_on_the_chunk(selected: bool) -> None:
     """A prompt row gives the same bits whether its forward holds the whole prompt (cold) or only a short
