@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .norm import l2_norm
 
 
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
@@ -91,10 +92,23 @@ def _taps(rows: torch.Tensor, weight: torch.Tensor, dilation: int, length: int) 
     return out
 
 
+def check_l2_group(channels: int, l2_group: int) -> None:
+    """Raise ``ValueError`` unless ``l2_group`` is 0 (no normalisation) or a positive divisor of ``channels``."""
+    if l2_group < 0 or (l2_group and channels % l2_group):
+        raise ValueError(f"l2_group={l2_group} must be 0 or a positive divisor of the channel count {channels}")
+
+
+def l2_norm_groups(out: torch.Tensor, l2_group: int) -> torch.Tensor:
+    """Each consecutive ``l2_group`` channels of every row of ``out`` L2-normalised by
+    :func:`~tidal.kernels.norm.l2_norm` in fp32, rounded back to ``out``'s dtype (``l2_group`` divides
+    the channel count: see :func:`check_l2_group`)."""
+    return l2_norm(out.float().unflatten(-1, (-1, l2_group))).flatten(-2).to(out.dtype)
+
+
 def causal_conv1d_varlen_ref(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor,
                              cu_seqlens: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
                              dilation: int = 1, silu: bool = True, max_seqlen: int = 0,
-                             row_segment: torch.Tensor | None = None) -> torch.Tensor:
+                             row_segment: torch.Tensor | None = None, l2_group: int = 0) -> torch.Tensor:
     """Torch reference of :func:`causal_conv1d_varlen`: one conv over all rows, then the first ``W``
     rows of every segment recomputed from its window.
 
@@ -109,6 +123,7 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, states: torch.Tensor, weight: torc
     """
     del max_seqlen, row_segment
     num_rows, channels = x.shape
+    check_l2_group(channels, l2_group)
     width = states.shape[1]
     if num_rows == 0:
         return x.new_empty(0, channels)
@@ -130,12 +145,14 @@ def causal_conv1d_varlen_ref(x: torch.Tensor, states: torch.Tensor, weight: torc
     out = out[:num_rows]
     if silu:
         out = F.silu(out, inplace=True)
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    return l2_norm_groups(out, l2_group) if l2_group else out
 
 
 def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          slots: torch.Tensor, fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
-                         max_seqlen: int = 0, row_segment: torch.Tensor | None = None) -> torch.Tensor:
+                         max_seqlen: int = 0, row_segment: torch.Tensor | None = None,
+                         l2_group: int = 0) -> torch.Tensor:
     """Depthwise causal conv of a flat batch of segments, each continuing from its slot's window.
 
     Args:
@@ -150,15 +167,17 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         row_segment: optional segment index of every row (int32 or int64 ``[T]``, as :func:`row_segments`
             computes it), to share one across the layers of a forward; the Triton kernel needs it (and
             runs ``row_segments`` itself without it), the reference does not.
+        l2_group: when > 0 (a divisor of ``C``), each consecutive ``l2_group`` output channels of a row
+            are then L2-normalised as :func:`l2_norm_groups` does (GDN's q and k heads).
     Returns ``silu(conv)`` (or the bare conv) ``[T, C]`` in ``x``'s dtype; arithmetic in fp32.
     """
     if use_triton(x, "conv"):
         from . import conv_triton
 
         return conv_triton.causal_conv1d_varlen(x, states, weight, cu_seqlens, slots, fresh, dilation, silu,
-                                                max_seqlen, row_segment)
+                                                max_seqlen, row_segment, l2_group=l2_group)
     return causal_conv1d_varlen_ref(x, states, weight, cu_seqlens, slots, fresh, dilation, silu, max_seqlen,
-                                    row_segment)
+                                    row_segment, l2_group)
 
 
 def conv_windows(x: torch.Tensor, states: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,

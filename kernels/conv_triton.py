@@ -9,7 +9,8 @@ Each of the ``k`` taps is one coalesced tile load, from ``x`` where the tap fall
 and from the slot's window where it falls before the segment's start (a masked pair of loads, so
 every element is read from exactly one place). The taps of one tile overlap by all but
 ``dilation`` rows, so after the first they are served from L1/L2: DRAM traffic is about one read of
-``x`` plus one write of the output, and accumulation is fp32.
+``x`` plus one write of the output, and accumulation is fp32. With ``l2_group`` the epilogue also
+L2-normalises each group of channels (GDN's q and k heads), which lie whole in one tile.
 
 Decode (:func:`causal_conv1d_update`): a program per (request, block of channels) walks the
 ``W + 1`` rows of window-plus-new-row once, accumulating the taps and writing each row back one
@@ -23,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .conv import row_segments
+from .conv import check_l2_group, l2_norm_groups, row_segments
+from .norm import L2_NORM_EPS
 
 
 @triton.jit
@@ -31,7 +33,8 @@ def _conv_varlen_kernel(
     x_ptr, states_ptr, w_ptr, out_ptr, cu_ptr, slots_ptr, fresh_ptr, seg_ptr,
     num_rows, channels,
     sx_t, sx_c, ss_n, ss_w, ss_c, sw_c, sw_k, so_t, so_c,
-    K: tl.constexpr, D: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    K: tl.constexpr, D: tl.constexpr, SILU: tl.constexpr, L2_GROUP: tl.constexpr, L2_EPS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -59,8 +62,15 @@ def _conv_varlen_kernel(
         acc += tap * w[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
+    out = acc.to(out_ptr.dtype.element_ty)
+    if L2_GROUP > 0:
+        # Whole groups per tile (BLOCK_C is a multiple of L2_GROUP, C too): normalise the rounded conv
+        # output in fp32 as l2_norm does. Padding columns are zeros and form groups of their own.
+        grouped = tl.reshape(out.to(tl.float32), [BLOCK_T, BLOCK_C // L2_GROUP, L2_GROUP])
+        scale = tl.rsqrt(tl.sum(grouped * grouped, axis=2) + L2_EPS)
+        out = tl.reshape(grouped * scale[:, :, None], [BLOCK_T, BLOCK_C]).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rows64[:, None] * so_t + cols64[None, :] * so_c
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptrs, out, mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -103,21 +113,28 @@ def _as_bytes(flags: torch.Tensor) -> torch.Tensor:
 # three calls at 32K, docs/device/2026-11-30c/call4/tune_conv.log): 603 us with 8 warps, 636 us with 4;
 # wider tiles spill registers (up to 20x slower).
 VARLEN_CONFIG: tuple[int, int, int] = (64, 128, 8)
+# The largest l2_group (a power of two) the prefill kernel normalises in its epilogue.
+MAX_FUSED_L2_GROUP = 256
 
 
 def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          slots: torch.Tensor, fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
                          max_seqlen: int = 0, row_segment: torch.Tensor | None = None,
-                         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         config: tuple[int, int, int] | None = None, l2_group: int = 0) -> torch.Tensor:
     """Triton form of :func:`tidal.kernels.conv.causal_conv1d_varlen` (same arguments and result).
 
     Grid ``(cdiv(T, BLOCK_T), cdiv(C, BLOCK_C))``; ``max_seqlen`` is unused because programs cover
-    rows of the flat batch, not segments. ``config`` overrides :data:`VARLEN_CONFIG`.
+    rows of the flat batch, not segments. ``config`` overrides :data:`VARLEN_CONFIG`. An ``l2_group``
+    that is a power of two up to :data:`MAX_FUSED_L2_GROUP` is normalised in the kernel's epilogue,
+    with ``BLOCK_C`` at least ``l2_group`` (``BLOCK_T`` shrunk to keep the tile's size where it
+    widens); any other is normalised by :func:`tidal.kernels.conv.l2_norm_groups` after the kernel.
     """
     del max_seqlen
     num_rows, channels = x.shape
     kernel_size = weight.shape[1]
     assert states.shape[1] == (kernel_size - 1) * dilation and states.shape[2] == channels
+    check_l2_group(channels, l2_group)
+    fused = l2_group if l2_group <= MAX_FUSED_L2_GROUP and l2_group & (l2_group - 1) == 0 else 0
     out = torch.empty((num_rows, channels), dtype=x.dtype, device=x.device)
     if num_rows == 0 or channels == 0:
         return out
@@ -125,15 +142,18 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         row_segment = row_segments(cu_seqlens, num_rows)
     block_t, block_c, warps = config or VARLEN_CONFIG
     block_c = min(block_c, triton.next_power_of_2(channels))
+    if fused > block_c:
+        block_t, block_c = max(1, block_t * block_c // fused), fused
     grid = (triton.cdiv(num_rows, block_t), triton.cdiv(channels, block_c))
     _conv_varlen_kernel[grid](
         x, states, weight, out, cu_seqlens, slots, _as_bytes(fresh), row_segment,
         num_rows, channels,
         x.stride(0), x.stride(1), states.stride(0), states.stride(1), states.stride(2),
         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        K=kernel_size, D=dilation, SILU=silu, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=warps,
+        K=kernel_size, D=dilation, SILU=silu, L2_GROUP=fused, L2_EPS=L2_NORM_EPS, BLOCK_T=block_t, BLOCK_C=block_c,
+        num_warps=warps,
     )
-    return out
+    return l2_norm_groups(out, l2_group) if l2_group and not fused else out
 
 
 def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,

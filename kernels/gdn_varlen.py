@@ -33,17 +33,22 @@ def _fla_chunk():
 
 
 def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    initial_state: torch.Tensor, cu_seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                    initial_state: torch.Tensor, cu_seqlens: list[int], *,
+                    qk_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence at a time.
 
     Args:
-        q, k: ``[T, Hk, dk]`` raw (l2-normalised here, in fp32); v ``[T, Hv, dv]``; g (log decay) and
-            beta ``[T, Hv]``; initial_state ``[N, Hv, dk, dv]`` fp32; cu_seqlens host ints ``[N + 1]``.
+        q, k: ``[T, Hk, dk]`` raw (l2-normalised here, in fp32), or already l2-normalised per head
+            when ``qk_normalized``; v ``[T, Hv, dv]``; g (log decay) and beta ``[T, Hv]``;
+            initial_state ``[N, Hv, dk, dv]`` fp32; cu_seqlens host ints ``[N + 1]``.
     Returns ``(o [T, Hv, dv] in v's dtype, final states [N, Hv, dk, dv] fp32)``.
     """
     group = v.shape[1] // q.shape[1]
-    q = l2_norm(q.float()).repeat_interleave(group, dim=1)
-    k = l2_norm(k.float()).repeat_interleave(group, dim=1)
+    q, k = q.float(), k.float()
+    if not qk_normalized:
+        q, k = l2_norm(q), l2_norm(k)
+    q = q.repeat_interleave(group, dim=1)
+    k = k.repeat_interleave(group, dim=1)
     out = torch.empty_like(v)
     finals = []
     for i, (lo, hi) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)):
@@ -55,22 +60,25 @@ def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 initial_state: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_host: list[int],
-                chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_indices: torch.Tensor | None = None, *,
+                qk_normalized: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gdn_prefill_ref`'s result.
 
     ``cu_seqlens`` is the same offsets as an int64 device tensor; ``chunk_indices`` (``[chunks, 2]``:
     sequence, chunk within it, for 64-row chunks) is built once per batch by the caller, so the
-    kernel does not build and copy it to the device (a host sync) in every layer.
+    kernel does not build and copy it to the device (a host sync) in every layer. With
+    ``qk_normalized`` q and k arrive l2-normalised and the kernel does not normalise them again.
     """
     # flash-linear-attention's float32 dots run in tf32: float32 stays on the exact reference.
     fla_chunk = _fla_chunk() if use_triton(v, "gdn") and v.dtype != torch.float32 else None
     if fla_chunk is None:
-        return gdn_prefill_ref(q, k, v, g, beta, initial_state, cu_seqlens_host)
+        return gdn_prefill_ref(q, k, v, g, beta, initial_state, cu_seqlens_host, qk_normalized=qk_normalized)
     cpu = torch.tensor(cu_seqlens_host, dtype=torch.long) if chunk_indices is None else None
     o, final = fla_chunk(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5, initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cpu, chunk_indices=chunk_indices,
+        use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cpu,
+        chunk_indices=chunk_indices,
     )
     return o[0], final.float()
 

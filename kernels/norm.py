@@ -59,5 +59,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return gated_rms_norm_ref(x, gate, weight, eps, activation)
 
 
-def l2_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+L2_NORM_EPS = 1e-6
+
+
+def l2_norm(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

@@ -3,7 +3,8 @@
     python scripts/tune_conv.py [--tokens 32768]
 
 A GDN layer's conv: the q, k and v column slices (2048, 2048 and 4096 channels) of a ``[T, 8192]`` bf16
-projection output, kernel 4, one segment with a carried window. Prints each config's median time for
+projection output, kernel 4, one segment with a carried window, q and k L2-normalised per 128-channel head
+in the epilogue. Prints each config's median time for
 the three calls (CUDA events) and the fraction of the HBM floor (one read of the input, one write of
 the output) at the bandwidth of a same-size copy, so ``conv_triton.VARLEN_CONFIG`` can be set from data.
 """
@@ -40,10 +41,10 @@ def main() -> None:
 
     def layer(cfg):
         lo, outs = 0, []
-        for width in widths:
+        for width, l2_group in zip(widths, (128, 128, 0), strict=True):
             cols = slice(lo, lo + width)
             outs.append(conv_triton.causal_conv1d_varlen(x[:, cols], states[:, :, cols], w[cols], cu, slots, fresh,
-                                                         row_segment=seg, config=cfg))
+                                                         row_segment=seg, config=cfg, l2_group=l2_group))
             lo += width
         return outs
 

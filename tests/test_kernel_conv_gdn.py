@@ -149,6 +149,63 @@ def test_varlen_kernel_strided_input():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def _l2_groups_oracle(out, group):
+    """Plain-torch per-group normalisation of a conv output: divide by the fp32 norm, round back."""
+    rows = out.float().reshape(out.shape[0], -1, group)
+    norm = torch.sqrt((rows ** 2).sum(-1, keepdim=True) + 1e-6)
+    return (rows / norm).reshape(out.shape).to(out.dtype)
+
+
+@pytest.mark.parametrize("kernel_size,dilation", [(4, 1), (3, 2)])
+@pytest.mark.parametrize("group", [1, 8, 12, 24])
+def test_varlen_reference_l2_groups(kernel_size, dilation, group):
+    """The conv of every segment (oracle: ``causal_conv1d``), then each group of channels of a row
+    normalised; the dispatcher (CPU: the reference) gives the same."""
+    x, states, weight, cu, slots, fresh = _conv_case(kernel_size, dilation, 24, torch.float32, "cpu")
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation, l2_group=group)
+    expect = _l2_groups_oracle(_per_segment(x, states, weight, cu, slots, fresh, dilation, True), group)
+    torch.testing.assert_close(ref, expect, atol=1e-6, rtol=1e-6)
+    assert torch.equal(ref, conv_ops.l2_norm_groups(
+        conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation), group))
+    assert torch.equal(conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, l2_group=group),
+                       ref)
+
+
+# (channels, l2_group): several groups per 128-channel tile, the last tile partial; one group per
+# tile; a group wider than the configured tile (the tile widens, BLOCK_T shrinks); groups that are
+# not powers of two (conv kernel, then the torch normalisation).
+L2_CASES = [(200, 8), (256, 128), (512, 256), (48, 12), (40, 40)]
+
+
+@pytest.mark.parametrize("channels,group", L2_CASES)
+@pytest.mark.parametrize("silu", [True, False])
+def test_varlen_kernel_l2_groups(channels, group, silu):
+    """Kernel, reference and the plain-torch oracle agree; ``x`` is a column slice of a wider tensor."""
+    x, states, weight, cu, slots, fresh = _conv_case(4, 1, channels, torch.float32, DEV)
+    wide = torch.randn(x.shape[0], channels + 16, device=DEV)
+    wide[:, 8:8 + channels] = x
+    view = wide[:, 8:8 + channels]
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, silu=silu, l2_group=group)
+    out = conv_triton.causal_conv1d_varlen(view, states, weight, cu, slots, fresh, silu=silu, l2_group=group)
+    expect = _l2_groups_oracle(conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, silu=silu),
+                               group)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
+    norms = out.reshape(out.shape[0], -1, group).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-4, rtol=0)
+
+
+def test_varlen_l2_group_must_divide_channels():
+    x, states, weight, cu, slots, fresh = _conv_case(4, 1, 24, torch.float32, DEV)
+    for group in (5, 48, -8):
+        with pytest.raises(ValueError, match="l2_group"):
+            conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, l2_group=group)
+        with pytest.raises(ValueError, match="l2_group"):
+            conv_triton.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, l2_group=group)
+        with pytest.raises(ValueError, match="l2_group"):
+            conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, l2_group=group)
+
+
 @pytest.mark.parametrize("kernel_size,dilation", CONV_SHAPES)
 def test_update_kernel_matches_reference(kernel_size, dilation):
     slots, fresh = [5, 0, 3, 6], [False, True, False, False]
@@ -250,6 +307,22 @@ def test_gpu_conv_model_shapes(dtype, kernel_size, dilation):
     out = conv_ops.causal_conv1d_update(rows, pool_ker, weight, dec_slots, dec_fresh, dilation)
     torch.testing.assert_close(out, ref, **GPU_TOL[dtype])
     assert torch.equal(pool_ker, pool_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_conv_l2_groups_bench_shape():
+    """GDN's q (or k) conv at the bench shape (16 heads of 128), bf16: the fused normalisation against
+    the reference within one bf16 rounding, and every head of unit norm."""
+    x, states, weight, cu, slots, fresh = _conv_case(
+        4, 1, 2048, torch.bfloat16, "cuda", lengths=GPU_LENGTHS, slots=[40, 3, 17, 0, 63],
+        fresh=[False, True, False, False, True], num_slots=64)
+    ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, l2_group=128)
+    out = conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, max_seqlen=2048, l2_group=128)
+    torch.testing.assert_close(out, ref, **GPU_TOL[torch.bfloat16])
+    plain = conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh)
+    torch.testing.assert_close(out, _l2_groups_oracle(plain, 128), **GPU_TOL[torch.bfloat16])
+    norms = out.float().reshape(out.shape[0], 16, 128).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-2, rtol=0)
 
 
 @pytest.mark.gpu

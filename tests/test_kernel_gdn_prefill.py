@@ -40,15 +40,31 @@ def test_reference_equals_token_by_token_recurrence():
         assert torch.allclose(final[i], state[0], atol=1e-4)
 
 
+def test_reference_takes_normalized_qk():
+    """``qk_normalized=True`` on q, k l2-normalised beforehand equals the default on the raw q, k."""
+    q, k, v, g, beta, h0, cu = _inputs([5, 70, 1, 130], 2, 4, 8, 16, "cpu", torch.float32)
+    out, final = gdn_prefill_ref(q, k, v, g, beta, h0, cu)
+    out_n, final_n = gdn_prefill_ref(l2_norm(q), l2_norm(k), v, g, beta, h0, cu, qk_normalized=True)
+    assert torch.equal(out_n, out) and torch.equal(final_n, final)
+    cu_t = torch.tensor(cu)
+    out_d, final_d = gdn_prefill(l2_norm(q), l2_norm(k), v, g, beta, h0, cu_t, cu, qk_normalized=True)
+    assert torch.equal(out_d, out) and torch.equal(final_d, final)
+
+
 @pytest.mark.gpu
-def test_flash_linear_attention_matches_reference_bf16():
+@pytest.mark.parametrize("qk_normalized", [False, True])
+def test_flash_linear_attention_matches_reference_bf16(qk_normalized):
     """bf16 at the model's head shapes, 5 sequences of odd lengths with initial states: relative
-    error of outputs and final states <= 2e-2 against the fp32 reference on the same inputs."""
+    error of outputs and final states <= 2e-2 against the fp32 reference on the same inputs (q and k
+    raw, or l2-normalised and rounded to bf16 beforehand)."""
     pytest.importorskip("fla")
     lengths = [1, 63, 64, 1000, 4097]
     q, k, v, g, beta, h0, cu = _inputs(lengths, 16, 32, 128, 128, "cuda", torch.bfloat16)
+    if qk_normalized:
+        q, k = l2_norm(q.float()).bfloat16(), l2_norm(k.float()).bfloat16()
     cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    out, final = gdn_prefill(q, k, v, g, beta, h0, cu_t, cu)
-    ref_out, ref_final = gdn_prefill_ref(q.float(), k.float(), v.float(), g, beta.float(), h0, cu)
+    out, final = gdn_prefill(q, k, v, g, beta, h0, cu_t, cu, qk_normalized=qk_normalized)
+    ref_out, ref_final = gdn_prefill_ref(q.float(), k.float(), v.float(), g, beta.float(), h0, cu,
+                                         qk_normalized=qk_normalized)
     assert ((out.float() - ref_out).norm() / ref_out.norm()).item() <= 2e-2
     assert ((final - ref_final).norm() / ref_final.norm()).item() <= 2e-2

@@ -88,13 +88,14 @@ class GatedDeltaNet(nn.Module):
         """
         p = batch.prefill
         # q, k and v convolved each into its own contiguous tensor (channels are independent), so the
-        # chunked GDN kernel takes them as they are instead of copying three strided views.
+        # chunked GDN kernel takes them as they are instead of copying three strided views. The q and k
+        # convs also l2-normalise every head, so the chunked kernel does not.
         seg = batch.row_segment[p.rows] - p.seg0  # each prefill row's segment within the prefill group
         parts, lo = [], 0
-        for width in (self.key_dim, self.key_dim, self.value_dim):
+        for width, l2_group in ((self.key_dim, self.head_k_dim), (self.key_dim, self.head_k_dim), (self.value_dim, 0)):
             cols = slice(lo, lo + width)
             parts.append(causal_conv1d_varlen(x[:, cols], conv_slots[:, :, cols], weight[cols], p.cu_seqlens, p.slots,
-                                              p.fresh, max_seqlen=p.max_seqlen, row_segment=seg))
+                                              p.fresh, max_seqlen=p.max_seqlen, row_segment=seg, l2_group=l2_group))
             lo += width
         # New conv windows (each segment's end, and internal checkpoints) read the old windows:
         # gather all of them before writing any.
@@ -110,12 +111,13 @@ class GatedDeltaNet(nn.Module):
         core = None if batch.waves[0].rows is None else torch.empty_like(v)
         for wave in batch.waves:
             if wave.rows is None:
-                core, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices)
+                core, final = gdn_prefill(q, k, v, g, beta, state, wave.cu_seqlens, wave.cu_host, wave.chunk_indices,
+                                          qk_normalized=True)
                 state = final
             else:
                 r = wave.rows
                 out, final = gdn_prefill(q[r], k[r], v[r], g[r], beta[r], state[wave.seg], wave.cu_seqlens,
-                                         wave.cu_host, wave.chunk_indices)
+                                         wave.cu_host, wave.chunk_indices, qk_normalized=True)
                 core[r] = out
                 state[wave.seg] = final
             if wave.export_dst.numel():
