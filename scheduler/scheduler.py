@@ -451,7 +451,9 @@ class Scheduler:
         plan = plan_prompt(
             prompt_len=req.prefill_len, cached=req.num_computed,
             max_chunk=None if req.layer_major else self.args.max_prefill_length,
-            align=self.args.checkpoint_align, coalesce=self.args.prefill_coalesce,
+            # A layer-major prefill always coalesces: a separate tail forward would stream every
+            # layer's experts again (it routes to most of them) for a few dozen tokens.
+            align=self.args.checkpoint_align, coalesce=self.args.prefill_coalesce or req.layer_major,
             checkpoint=cache is not None and cache.needs_state, branch=req.branch,
         )
         req.chunks, req.next_chunk = plan.chunks, 0

@@ -86,9 +86,9 @@ def test_same_ids_cold_and_after_a_prefix_hit(tiny_checkpoint, reference, layer_
     assert (cold, warm) == reference
     assert [a.cached_tokens for a in admitted] == [0, 192]
     assert [a.plan.mode for a in admitted] == ["layer_major" if layer_major else "chunked"] * 2
-    if layer_major:  # one forward takes all new tokens up to the last checkpoint (or all of them)
-        assert admitted[0].plan.chunks[0] == ([0, 200] if coalesce else [0, 192])
-        assert admitted[1].plan.chunks[0] == ([192, 400] if coalesce else [192, 384])
+    if layer_major:  # one forward takes every new token, the checkpoint exported from inside it
+        assert [a.plan.chunks for a in admitted] == [[[0, 200]], [[192, 400]]]
+        assert all("tail coalesced" in a.plan.reason for a in admitted)
 
 
 def _recording(llm: LLM, admitted: list):
@@ -103,11 +103,14 @@ def _recording(llm: LLM, admitted: list):
     return record
 
 
-@pytest.mark.parametrize("layer_major,expected", [(True, 1), (False, 4)], ids=["layer-major", "chunked"])
-def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny_checkpoint, layer_major, expected):
+@pytest.mark.parametrize("layer_major,coalesce,expected", [(True, True, 1), (True, False, 1), (False, True, 4)],
+                         ids=["layer-major", "layer-major-align", "chunked"])
+def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny_checkpoint, layer_major, coalesce,
+                                                                             expected):
     """200 new tokens, chunks of 64, coalesced (one planned forward): 4 chunks. Sampling one token
-    routes to 2 of 8 experts, which the 4-slot cache serves without streaming the layer."""
-    llm = LLM(tiny_checkpoint, prefill_layer_major=layer_major, prefill_coalesce=True, **OFFLOAD)
+    routes to 2 of 8 experts, which the 4-slot cache serves without streaming the layer. Layer-major
+    coalesces without the flag too: no tail forward streams the layers a second time."""
+    llm = LLM(tiny_checkpoint, prefill_layer_major=layer_major, prefill_coalesce=coalesce, **OFFLOAD)
     llm.generate([PROMPT], max_tokens=1, ignore_eos=True)
     stats = llm.runner.expert_store.stats()
     layers = llm.config.num_hidden_layers
