@@ -2,9 +2,13 @@
 
     python scripts/bench_layer_major.py --out DIR [--preset bench] [--cold 32012] [--continuation 32077]
                                         [--chunk 4096] [--cache-fraction 0.11] [--arms chunked,layer_major,resident]
+                                        [--no-coalesce]
 
 The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format random``, pinned PLE,
-``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms): three
+``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms,
+``--prefill-coalesce`` in every arm unless ``--no-coalesce``: a layer-major prefill always exports its
+checkpoint from inside its one forward, and so every arm runs the prompt in the same forwards and
+gives the same greedy ids, none paying a separate tail forward): three
 512-token warm-ups, then (cold, continuation) pairs built from three repeated paragraphs with the
 served tokenizer; the first pair warms the long shapes and is not scored, the other two colds are.
 Each request streams ``temperature 0, max_tokens 128, ignore_eos``; first text is the first SSE
@@ -111,6 +115,8 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
     flags = ["--load-format", "random", "--served-model-name", "bench", "--max-prefill-length", str(ns.chunk),
              "--ple-backend", "pinned", "--max-running-requests", "2", "--max-model-len", "98304",
              "--kv-pool-tokens", "98304", "--enable-cache-report", *ARM_FLAGS[arm]]
+    if ns.coalesce:
+        flags.append("--prefill-coalesce")
     if arm != "resident":
         flags += ["--moe-cache-slots", str(slots)]
     t0 = time.monotonic()
@@ -153,6 +159,8 @@ def main() -> None:
     ap.add_argument("--cache-fraction", type=float, default=0.11)
     ap.add_argument("--arms", default="chunked,layer_major,resident")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
+                    help="--prefill-coalesce in every arm")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -181,8 +189,8 @@ def main() -> None:
         summary[arm["arm"]] = med
     reference = [r["token_ids"] for r in arms[0]["requests"]]
     same_ids = {a["arm"]: [r["token_ids"] for r in a["requests"]] == reference for a in arms}
-    result = {"preset": ns.preset, "h2d_bytes_per_s": bandwidth, "cache_slots": slots, "summary": summary,
-              "ids_equal_to_first_arm": same_ids, "arms": arms}
+    result = {"preset": ns.preset, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth, "cache_slots": slots,
+              "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
     if "chunked" in summary and "layer_major" in summary:
         lm, ch = summary["layer_major"], summary["chunked"]
         result["first_text_ratio_chunked_over_layer_major"] = ch["first_text_s"] / lm["first_text_s"]

@@ -10,8 +10,9 @@ of ``generate`` (scheduling, the prefill, sampling), the expert bytes it moved a
 (those bytes over the pinned host-to-device bandwidth measured here), then, under the torch
 profiler, how the wall time divides: host time before the first device event, host-to-device copy
 time, kernel time, both at once, neither (the device idle), and the host's tail after the last
-device event, with the longest idle gaps and the device events of most total time. ``--host N`` adds cProfile's N costliest host functions
-for the layer-major arm. Writes ``DIR/profile_layer_major.json``. Weights are seeded random.
+device event, with the longest idle gaps and the device events of most total time. ``--host N``
+adds cProfile's N costliest host functions for the layer-major arm. Writes
+``DIR/profile_layer_major.json``. Weights are seeded random.
 """
 
 from __future__ import annotations
