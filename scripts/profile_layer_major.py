@@ -9,10 +9,10 @@ random prompt of ``--tokens`` tokens after a warm-up prompt of the same length. 
 of ``generate`` (scheduling, the prefill, sampling), the expert bytes it moved and the PCIe floor
 (those bytes over the pinned host-to-device bandwidth measured here), then, under the torch
 profiler, how the wall time divides: host time before the first device event, host-to-device copy
-time, kernel time, both at once, neither (the device idle), and the host's tail after the last
-device event, with the longest idle gaps and the device events of most total time. ``--host N``
-adds cProfile's N costliest host functions for the layer-major arm. Writes
-``DIR/profile_layer_major.json``. Weights are seeded random.
+time, kernel time, both at once, neither (the device idle), the host's tail after the last
+device event, the time before the first copy, between copies and after the last one, with the
+longest idle gaps and the device events of most total time. ``--host N`` adds cProfile's N
+costliest host functions for the layer-major arm. Writes ``DIR/profile_layer_major.json``. Weights are seeded random.
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def breakdown(prof, gaps: int) -> dict:
     """The ``generate`` range divided into host head, copy, kernel, overlap, idle and host tail (ms)."""
     span = next(e for e in prof.events() if e.name == "generate" and e.device_type == DeviceType.CPU)
     t0, t1 = span.time_range.start, span.time_range.end
-    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start <= t1]
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start <= t1
+              and e.name != "generate"]  # the range itself is recorded on the device too
     copies = union([(e.time_range.start, e.time_range.end) for e in device if "Memcpy HtoD" in e.name])
     kernels = union([(e.time_range.start, e.time_range.end) for e in device if "Memcpy" not in e.name
                      and "Memset" not in e.name])
     busy = union(copies + kernels)
     first, last = busy[0][0], busy[-1][1]
     idle = [(busy[k][1], busy[k + 1][0]) for k in range(len(busy) - 1)]
+    copy_gaps = [(copies[k][1], copies[k + 1][0]) for k in range(len(copies) - 1)]
     ms = 1e-3
     by_name: dict[str, list[float]] = {}
     for e in device:
@@ -91,6 +93,9 @@ def breakdown(prof, gaps: int) -> dict:
         "kernel_ms": length(kernels) * ms,
         "copy_and_kernel_ms": intersect(copies, kernels) * ms,
         "idle_ms": length(idle) * ms,
+        "before_first_copy_ms": (copies[0][0] - t0) * ms if copies else None,
+        "copy_gaps_ms": length(copy_gaps) * ms,
+        "after_last_copy_ms": (t1 - copies[-1][1]) * ms if copies else None,
         "device_events": len(device),
         "longest_idle": [{"at_ms": (lo - t0) * ms, "ms": (hi - lo) * ms}
                          for lo, hi in sorted(idle, key=lambda g: g[0] - g[1])[:gaps]],
@@ -158,7 +163,8 @@ def main() -> None:
               f"({wall / floor:.2f}x)", flush=True)
         if parts is None:
             continue
-        print("  profiled: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items() if k.endswith("_ms"))
+        print("  profiled: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()
+                                         if k.endswith("_ms") and v is not None)
               + f", {parts['device_events']} device events", flush=True)
         for e in parts["top_device_events"]:
             print(f"    {e['ms']:8.1f} ms {e['count']:6d}x  {e['name']}")
