@@ -2,15 +2,16 @@
 
     python scripts/bench_layer_major.py --out DIR [--preset bench] [--cold 32012] [--continuation 32077]
                                         [--chunk 4096] [--cache-fraction 0.11] [--arms chunked,layer_major,resident]
-                                        [--no-coalesce]
+                                        [--no-coalesce] [--prompts text|ids]
 
 The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format random``, pinned PLE,
 ``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms,
 ``--prefill-coalesce`` in every arm unless ``--no-coalesce``: a layer-major prefill always exports its
 checkpoint from inside its one forward, and so every arm runs the prompt in the same forwards and
-gives the same greedy ids, none paying a separate tail forward): three
-512-token warm-ups, then (cold, continuation) pairs built from three repeated paragraphs with the
-served tokenizer; the first pair warms the long shapes and is not scored, the other two colds are.
+gives the same greedy ids, none paying a separate tail forward): three 512-token warm-ups, then
+(cold, continuation) pairs built from three repeated paragraphs with the served tokenizer
+(``--prompts ids``: random token ids instead, sent as token-id prompts); the first pair warms the
+long shapes and is not scored, the other two colds are.
 Each request streams ``temperature 0, max_tokens 128, ignore_eos``; first text is the first SSE
 event with non-empty text, timed from just before the HTTP request. Per arm: medians of first-text
 and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to
@@ -78,7 +79,7 @@ def h2d_bandwidth(device: str) -> float:
     return size / statistics.median(times[1:])
 
 
-def stream(url: str, model: str, prompt: str, max_tokens: int, on_first=None) -> dict:
+def stream(url: str, model: str, prompt: str | list[int], max_tokens: int, on_first=None) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
@@ -161,6 +162,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
                     help="--prefill-coalesce in every arm")
+    ap.add_argument("--prompts", default="text", choices=["text", "ids"],
+                    help="text: the seed's repeated paragraphs; ids: random token ids (with random weights they "
+                         "spread a chunk's routing over the experts as trained routers do; text repeated this way "
+                         "concentrates it)")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -169,12 +174,26 @@ def main() -> None:
 
     config = ModelConfig.from_file(path)
     slots = max(config.num_experts_per_tok, int(config.num_experts * config.num_hidden_layers * ns.cache_fraction))
-    short = exact(tok, SHORT * 100, 512)
+    if ns.prompts == "text":
+        short = exact(tok, SHORT * 100, 512)
+        pairs = []
+        for paragraph in PARAGRAPHS:
+            continuation = exact(tok, paragraph * 3500, ns.continuation)
+            cold = exact(tok, continuation, ns.cold)
+            assert continuation.startswith(cold)
+            pairs.append((cold, continuation))
+    else:  # token ids drawn at random from ordinary (non-special) ids, sent as the prompt itself
+        gen = torch.Generator().manual_seed(0)
+
+        def draw(n: int) -> list[int]:
+            return torch.randint(1000, 150000, (n,), generator=gen).tolist()
+        short = draw(512)
+        pairs = []
+        for _ in PARAGRAPHS:
+            cold = draw(ns.cold)
+            pairs.append((cold, cold + draw(ns.continuation - ns.cold)))
     sequence = [("warmup-1", short), ("warmup-2", short), ("functional", short)]
-    for i, paragraph in enumerate(PARAGRAPHS):
-        continuation = exact(tok, paragraph * 3500, ns.continuation)
-        cold = exact(tok, continuation, ns.cold)
-        assert continuation.startswith(cold)
+    for i, (cold, continuation) in enumerate(pairs):
         sequence += [(f"cold-{i}", cold), (f"continuation-{i}", continuation)]
     bandwidth = h2d_bandwidth(ns.device)
     print(f"pinned host-to-device: {bandwidth / 1e9:.1f} GB/s; expert cache {slots} slots", flush=True)
@@ -189,8 +208,8 @@ def main() -> None:
         summary[arm["arm"]] = med
     reference = [r["token_ids"] for r in arms[0]["requests"]]
     same_ids = {a["arm"]: [r["token_ids"] for r in a["requests"]] == reference for a in arms}
-    result = {"preset": ns.preset, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth, "cache_slots": slots,
-              "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
+    result = {"preset": ns.preset, "prompts": ns.prompts, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth,
+              "cache_slots": slots, "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
     if "chunked" in summary and "layer_major" in summary:
         lm, ch = summary["layer_major"], summary["chunked"]
         result["first_text_ratio_chunked_over_layer_major"] = ch["first_text_s"] / lm["first_text_s"]
