@@ -121,6 +121,18 @@ def test_bench_layer_major_runs_on_cpu(tmp_path):
     assert data["summary"]["chunked"]["h2d_bytes"] > data["summary"]["layer_major"]["h2d_bytes"] > 0
 
 
+def test_profile_layer_major_runs_on_cpu(tmp_path):
+    """The offline layer-major profile on the tiny preset: both arms, the expert bytes each moved (the
+    chunked arm streams each layer once per chunk, layer-major once) and their ratio."""
+    run_script("profile_layer_major.py", "--out", str(tmp_path), "--preset", "tiny", "--tokens", "700",
+                      "--chunk", "128", "--device", "cpu", "--dtype", "float32")
+    data = json.loads((tmp_path / "profile_layer_major.json").read_text())
+    arms = data["arms"]
+    assert set(arms) == {"layer_major", "chunked"}
+    assert arms["chunked"]["bytes"] > arms["layer_major"]["bytes"] > 0
+    assert data["chunked_over_layer_major"] == arms["chunked"]["wall_s"] / arms["layer_major"]["wall_s"]
+
+
 def test_profile_decode_runs_on_cpu(tmp_path):
     proc = run_script("profile_decode.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
                       "--batches", "1,2", "--contexts", "16,40", "--steps", "3", "--graphs", "on,off",
