@@ -125,7 +125,7 @@ def test_profile_layer_major_runs_on_cpu(tmp_path):
     """The offline layer-major profile on the tiny preset: both arms, the expert bytes each moved (the
     chunked arm streams each layer once per chunk, layer-major once) and their ratio."""
     run_script("profile_layer_major.py", "--out", str(tmp_path), "--preset", "tiny", "--tokens", "700",
-                      "--chunk", "128", "--device", "cpu", "--dtype", "float32")
+               "--chunk", "128", "--device", "cpu", "--dtype", "float32")
     data = json.loads((tmp_path / "profile_layer_major.json").read_text())
     arms = data["arms"]
     assert set(arms) == {"layer_major", "chunked"}
