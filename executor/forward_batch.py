@@ -13,6 +13,7 @@ ranges: ``rows [0, num_decode_rows)`` and ``rows [num_decode_rows, T)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -146,6 +147,9 @@ class ForwardBatch:
     # Every row is a decode of a generated token (no prompt row, however short its chunk): such a forward
     # may run the MoE's decode kernels, which round differently from the path every prompt row takes.
     decode_only: bool = False
+    # PLE layer index -> the rows of this batch's tokens in that layer's table, ``[T, dim]`` on the device,
+    # gathered ahead of the forward (layer-major prefill with a pinned table: ``RowsAhead``).
+    ple_rows: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +23,7 @@ from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
+from .offload.ple_table import PinnedTable, RowsAhead
 from .sampler import Sampler, TokenCounts
 from .structured import GrammarStates
 from .upload import device_ints
@@ -62,6 +65,7 @@ class ModelRunner:
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
         self.graphs: DecodeGraphs | None = None
+        self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
 
     def use_graphs(self, max_batch: int, max_pages: int, capture: bool) -> None:
         """Run decode batches of up to ``max_batch`` rows from CUDA graphs (``capture``) or, without it,
@@ -257,11 +261,13 @@ class ModelRunner:
         model = self.model.model
         hold = self.expert_store.hold() if self.expert_store is not None else contextlib.nullcontext()
         with hold:  # entered first: the first MoE layer's copy overlaps the chunks' metadata
+            ahead = self._ple_rows_ahead(outer)
             for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
                 part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
                                exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
                 chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
                                                   qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
+                chunks[-1].ple_rows = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
                 boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
             streams = [model.embed(fb.input_ids) for fb in chunks]
             pending = [None] * len(chunks)
@@ -270,7 +276,21 @@ class ModelRunner:
                     streams[k], pending[k] = layer(streams[k], pending[k], fb)
                     for dst in boundary_exports[k]:
                         self.states.copy_layer(layer.layer_idx, seg.slot, dst)
+                if self.expert_store is not None:
+                    self.expert_store.finished(layer.layer_idx)
         return streams[-1], pending[-1]
+
+    def _ple_rows_ahead(self, outer: ForwardBatch) -> dict[int, RowsAhead]:
+        """For each PLE layer whose table is pinned in host memory, its rows for the whole segment, gathered
+        on a worker thread while the first layers run."""
+        ahead = {}
+        for layer in self.model.model.layers:
+            if layer.ple is not None and isinstance(layer.ple.ple_embedding.table, PinnedTable):
+                if self._ple_worker is None:
+                    self._ple_worker = ThreadPoolExecutor(1, thread_name_prefix="ple-rows")
+                embedding = layer.ple.ple_embedding
+                ahead[layer.layer_idx] = RowsAhead(embedding.table, embedding.row_ids(outer), self._ple_worker)
+        return ahead
 
     def _forward_batch(self, specs) -> ForwardBatch:
         segments, ids = [], []

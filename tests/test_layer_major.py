@@ -16,6 +16,7 @@ from server_harness import Server, Tap
 from tidal import LLM
 from tidal.args import ServerArgs
 from tidal.executor.offload.experts import ExpertStore
+from tidal.executor.offload.ple_table import PinnedTable, RowsAhead
 from tidal.kernels.moe import fused_experts_ref
 from tidal.messages import Batch, SegmentSpec
 from tidal.scheduler.layer_major import layer_major_decision
@@ -138,6 +139,60 @@ def test_hold_starts_the_first_layers_copy_on_entry():
     assert torch.allclose(out, fused_experts_ref(x, ids, weights, gate_up[1], down[1]), atol=1e-5)
 
 
+def _store(device: str, slots: int = 2):
+    g = torch.Generator().manual_seed(0)
+    gate_up = {i: torch.randn(4, 8, 8, generator=g) for i in (1, 3, 5)}
+    down = {i: torch.randn(4, 8, 4, generator=g) for i in (1, 3, 5)}
+    return ExpertStore(gate_up, down, num_slots=slots, device=device), gate_up, down
+
+
+def test_finished_layer_starts_the_layer_after_next():
+    """Layer-major: when a layer's last MoE call is queued its buffer takes the layer after next, so
+    every later layer's copy is already under way when its first MoE call comes."""
+    store, gate_up, down = _store("cpu")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 8, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
+    weights = torch.full((5, 2), 0.5)
+    with store.hold():
+        out = {1: store.forward(1, x, ids, weights)}
+        assert store.stats()["expert_layer_streams"] == [1, 1, 0]
+        store.finished(1)
+        assert store.stats()["expert_layer_streams"] == [1, 1, 1]
+        for layer in (3, 5):
+            out[layer] = store.forward(layer, x, ids, weights)
+            store.finished(layer)
+    assert store.stats()["expert_layer_streams"] == [1, 1, 1]
+    for layer in (1, 3, 5):
+        assert torch.allclose(out[layer], fused_experts_ref(x, ids, weights, gate_up[layer], down[layer]), atol=1e-5)
+    store.finished(1)  # outside layer-major: nothing moves
+    assert store.stats()["expert_layer_streams"] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_layer_streams_take_cached_experts_from_their_slots(device):
+    """A whole-layer copy takes the experts the cache holds from their device slots and copies only the
+    others from host memory; the counters count host copies, and the layer computes as from the host."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store, gate_up, down = _store(device, slots=3)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 8, generator=g).to(device)
+    weights = torch.full((5, 2), 0.5, device=device)
+    few = torch.tensor([[0, 2]] * 5, device=device)  # decodes: experts 0 and 2 of layer 3 into the cache
+    store.forward(3, x, few, weights)
+    assert store.stats()["expert_loads"] == [0, 2, 0]
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]], device=device)
+    with store.hold():
+        for layer in (1, 3, 5):
+            got = store.forward(layer, x, ids, weights)
+            want = fused_experts_ref(x.cpu(), ids.cpu(), weights.cpu(), gate_up[layer], down[layer])
+            assert torch.allclose(got.cpu(), want, atol=1e-5), layer
+    one = store.expert_bytes
+    assert store.stats() == {"expert_loads": [4, 2 + 2, 4], "expert_bytes": [4 * one, 4 * one, 4 * one],
+                             "expert_layer_streams": [1, 1, 1]}
+
+
 def test_decode_uses_the_expert_cache(tiny_checkpoint, reference):
     llm = LLM(tiny_checkpoint, **OFFLOAD)
     assert llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0] == reference[0]
@@ -199,6 +254,22 @@ def test_layer_major_batch_equals_chunked_logits(tiny_checkpoint):
 def test_ple_backends_give_the_same_ids(tiny_checkpoint, reference, backend):
     llm = LLM(tiny_checkpoint, ple_backend=backend, max_prefill_length=CHUNK)
     assert llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0] == reference[0]
+
+
+def test_layer_major_gathers_pinned_ple_rows_ahead(tiny_checkpoint, reference, monkeypatch):
+    """With pinned tables a layer-major prefill gathers each table's rows once for the whole prompt (on a
+    worker thread) instead of once per internal chunk; the ids stay those of the resident reference."""
+    llm = LLM(tiny_checkpoint, ple_backend="pinned", prefill_layer_major=True, **OFFLOAD)
+    sent = []
+    send = RowsAhead.send
+    monkeypatch.setattr(RowsAhead, "send", lambda self, lo, hi: sent.append((lo, hi)) or send(self, lo, hi))
+    gathers = []
+    gather = PinnedTable.gather
+    monkeypatch.setattr(PinnedTable, "gather", lambda self, rows: gathers.append(rows.shape[0]) or gather(self, rows))
+    assert llm.generate([PROMPT], max_tokens=8, ignore_eos=True)[0] == reference[0]
+    tables = len(llm.config.ple_layers)
+    assert sorted(set(sent)) == [(0, 64), (64, 128), (128, 192), (192, 200)] and len(sent) == 4 * tables
+    assert gathers == [1] * 7 * tables  # only the seven decodes gather, a row each
 
 
 def test_disk_ple_needs_checkpoint_files():

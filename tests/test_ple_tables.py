@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tidal.config import ModelConfig
-from tidal.executor.offload.ple_table import DeviceTable, DiskTable, PinnedTable, ShardRef, find_ple_shards
+from tidal.executor.offload.ple_table import DeviceTable, DiskTable, PinnedTable, RowsAhead, ShardRef, find_ple_shards
 
 # tiny's PLE layers are 1 and 4 (one-indexed); it splits each table into 4 shards.
 PLE_MODULES = [0, 3]
@@ -75,6 +76,27 @@ def test_backends_match_full_table(tiny_checkpoint, layer):
             assert got.dtype == torch.bfloat16 and got.shape == (*shape, full.shape[1]), backend
             assert torch.equal(got, want), f"{backend} differs from full[ids] for shape {shape}"
             assert torch.equal(table.gather(ids), want), f"{backend}: a second gather differs"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_rows_gathered_ahead_match_full_table(tiny_checkpoint, device):
+    """A whole prompt's rows gathered on a worker thread, then sent chunk by chunk (layer-major PLE); a
+    second prompt of the same table reuses the pinned buffer after the first one's sends."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = ModelConfig.from_file(tiny_checkpoint)
+    full = _full_table(tiny_checkpoint, PLE_MODULES[0])
+    parts = find_ple_shards(tiny_checkpoint, _table_name(PLE_MODULES[0]))
+    table = PinnedTable(full.clone())
+    heads = config.ngram_heads
+    with ThreadPoolExecutor(1) as worker:
+        for tokens, cuts, seed in [(150, [0, 64, 128, 150], 0), (70, [0, 1, 64, 70], 1)]:
+            ids = _ids(full.shape[0], parts, (tokens, heads), seed).to(device)
+            ahead = RowsAhead(table, ids, worker)
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                got = ahead.send(lo, hi)
+                assert got.device.type == device and got.shape == (hi - lo, heads * full.shape[1])
+                assert torch.equal(got.cpu(), full[ids[lo:hi].cpu()].flatten(-2)), (tokens, lo, hi)
 
 
 def test_disk_converts_to_the_requested_dtype(tiny_checkpoint):

@@ -52,10 +52,14 @@ class NGramEmbedding(nn.Module):
             requires_grad=False
         )
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        rows = ngram_ids_varlen(batch.ngram_context, batch.input_ids, batch.row_segment, batch.all.cu_seqlens,
+    def row_ids(self, batch: ForwardBatch) -> torch.Tensor:
+        """The table rows of every token of ``batch``, ``[T, heads]`` (long, on the batch's device)."""
+        return ngram_ids_varlen(batch.ngram_context, batch.input_ids, batch.row_segment, batch.all.cu_seqlens,
                                 self.eos, self.layer_multipliers, self.ngram_heads_vocab_sizes,
                                 self.ngram_heads_offsets, self.heads_per_ngram)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        rows = self.row_ids(batch)
         if self.table is None:  # --ple-backend gpu: the parameter itself, on the device
             emb = self.ngram_embedding.weight[rows]
         else:
@@ -90,7 +94,8 @@ class PLELayer(nn.Module):
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, query: torch.Tensor | None = None) -> torch.Tensor:
         """The PLE output ``[T, hc * hidden]`` to add to ``streams``; ``query`` is ``norm_query(streams)``
         when the caller computed it already (with the residual add that produced ``streams``)."""
-        emb = self.ple_embedding(batch).to(streams.dtype)
+        ahead = batch.ple_rows.get(self.layer_idx)
+        emb = (ahead() if ahead is not None else self.ple_embedding(batch)).to(streams.dtype)
         if query is None:
             query = self.norm_query(streams)
         gated, normed = ple_gate(self.key_proj(emb), query, self.value_proj(emb), self.norm_key.weight,

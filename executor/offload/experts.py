@@ -11,8 +11,9 @@ at PCIe speed and asynchronously) and the device keeps:
   layer is copied whole, and the next layer is copied on a side stream while this one computes.
 
 Chunked prefill streams every layer once per chunk; layer-major prefill (``hold``) streams each
-layer once for all its chunks. Counters per layer (experts copied, bytes, whole-layer streams) show
-which happened; the server reports them on ``/metrics``.
+layer once for all its chunks. A whole-layer copy takes the experts the cache holds from their slots
+on the device and copies only the rest from host memory. Counters per layer (experts copied from the
+host, bytes, whole-layer streams) show which happened; the server reports them on ``/metrics``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ class ExpertStore:
             yield self
         finally:
             self._whole_layers = previous
+
+    def finished(self, layer: int) -> None:
+        """Layer-major: every MoE call of ``layer`` is queued, so its buffer starts taking the layer after
+        next now, a whole layer's host work before the next layer's first MoE call would start it."""
+        position = self.layers.index(layer)
+        if (self._whole_layers and position + 2 < len(self.layers) and layer in self._buffer_layer
+                and self.layers[position + 2] not in self._buffer_layer):
+            self._fill(self._buffer_layer.index(layer), self.layers[position + 2])
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative per-layer counters (index = position in ``layers``)."""
@@ -152,20 +161,45 @@ class ExpertStore:
         return 1 if self._buffer_layer[0] == previous else 0
 
     def _fill(self, index: int, layer: int) -> None:
+        """Copy ``layer`` whole into buffer ``index``: the experts the cache holds from their slots (on the
+        compute stream, in order with the cache's own writes), the rest from host memory in runs of
+        consecutive experts (on the copy stream, after the work that may still read the buffer)."""
         gate_up, down = self._buffers[index]
+        cached = {e: slot for (lay, e), slot in self._lru.items() if lay == layer}
+        if cached:
+            if self._buffer_ready[index] is not None:  # a fill of this buffer still under way on the copy stream
+                torch.cuda.current_stream(self.device).wait_event(self._buffer_ready[index])
+            experts = torch.tensor(sorted(cached), device=self.device)
+            slots = torch.tensor([cached[e] for e in sorted(cached)], device=self.device)
+            gate_up.index_copy_(0, experts, self.cache_gate_up.index_select(0, slots))
+            down.index_copy_(0, experts, self.cache_down.index_select(0, slots))
+        runs = _runs([e for e in range(self.num_experts) if e not in cached])
         if self._stream is not None:
-            # The buffer may still be read by work queued on the compute stream.
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                gate_up.copy_(self.gate_up[layer], non_blocking=True)
-                down.copy_(self.down[layer], non_blocking=True)
+                for lo, hi in runs:
+                    gate_up[lo:hi].copy_(self.gate_up[layer][lo:hi], non_blocking=True)
+                    down[lo:hi].copy_(self.down[layer][lo:hi], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._buffer_ready[index] = event
         else:
-            gate_up.copy_(self.gate_up[layer])
-            down.copy_(self.down[layer])
+            for lo, hi in runs:
+                gate_up[lo:hi].copy_(self.gate_up[layer][lo:hi])
+                down[lo:hi].copy_(self.down[layer][lo:hi])
         self._buffer_layer[index] = layer
-        self.loads[layer] += self.num_experts
-        self.bytes[layer] += self.num_experts * self.expert_bytes
+        copied = self.num_experts - len(cached)
+        self.loads[layer] += copied
+        self.bytes[layer] += copied * self.expert_bytes
         self.layer_streams[layer] += 1
+
+
+def _runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Sorted expert ids as ``[lo, hi)`` runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], e + 1)
+        else:
+            runs.append((e, e + 1))
+    return runs

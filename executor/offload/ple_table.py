@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,6 +219,7 @@ class PinnedTable(PLETable):
         self.rows, self.dim = table.shape
         self.dtype = table.dtype
         self._staging = _Staging(self.dim, self.dtype)
+        self._ahead = _Staging(self.dim, self.dtype)  # the rows of :class:`RowsAhead`
         self._lock = threading.Lock()
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
@@ -228,6 +230,45 @@ class PinnedTable(PLETable):
             host = self._staging.take(flat.numel())
             torch.index_select(self.table, 0, flat, out=host)
             return self._staging.send(host, ids.device).view(self._out_shape(ids))
+
+
+class RowsAhead:
+    """A whole prompt's rows of one :class:`PinnedTable`, gathered once on a worker thread and sent to the
+    device chunk by chunk: the PLE layer of each internal chunk of a layer-major prefill then neither
+    waits for its ids on the host (a synchronisation with the device) nor gathers.
+
+    ``ids`` (long ``[T, heads]``) may be on the device: they are copied to pinned host memory on the
+    current stream, and the worker waits for that copy, not the calling thread. On CUDA the rows land in
+    the table's own pinned buffer (grown, never shrunk), which the next ``RowsAhead`` of the table
+    overwrites only after the last :meth:`send` of this one has been copied.
+    """
+
+    def __init__(self, table: PinnedTable, ids: torch.Tensor, worker: Executor):
+        self.table, self.device = table, ids.device
+        self.heads = ids.shape[1]
+        ready = None
+        if ids.device.type == "cuda":
+            ids = ids.to("cpu", non_blocking=True)  # into pinned memory, ordered on the current stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self._rows = worker.submit(self._gather, ids, ready)
+
+    def _gather(self, ids: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+        if ready is not None:
+            ready.synchronize()
+        flat = ids.reshape(-1).long()
+        if self.device.type != "cuda":
+            return torch.index_select(self.table.table, 0, flat)
+        host = self.table._ahead.take(flat.numel())
+        torch.index_select(self.table.table, 0, flat, out=host)
+        return host
+
+    def send(self, lo: int, hi: int) -> torch.Tensor:
+        """The rows of tokens ``lo:hi`` as ``[hi - lo, heads * dim]`` on the ids' device (asynchronous on CUDA)."""
+        rows = self._rows.result()[lo * self.heads:hi * self.heads]
+        if self.device.type == "cuda":
+            rows = self.table._ahead.send(rows, self.device)
+        return rows.view(hi - lo, self.heads * self.table.dim)
 
 
 class DiskTable(PLETable):
