@@ -6,15 +6,15 @@
 #   profile  scripts/profile_layer_major.py: offline wall time against the PCIe floor, the copy gaps, host functions
 #   text     scripts/bench_layer_major.py with the seed's text prompts (arms layer_major, chunked)
 #   ids      the same with random token-id prompts
-# Limits: TEST_LIMIT, NUM_LIMIT, PREFILL_LIMIT, PROFILE_LIMIT, BENCH_LIMIT (seconds). Logs to $OUT.
+# TESTS overrides the test files. Limits: TEST_LIMIT, NUM_LIMIT, PREFILL_LIMIT, PROFILE_LIMIT, BENCH_LIMIT (seconds). Logs to $OUT.
 #   bash scripts/device_issue8.sh [tests|numerics|prefill|profile|text|ids ...]   (default: tests profile text)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
 for part in ${*:-tests profile text}; do
   case $part in
     tests)
-      timeout ${TEST_LIMIT:-150} python3 -m pytest -p no:cacheprovider -q -m gpu $(ls tests/test_layer_major.py \
-        tests/test_ple_tables.py tests/test_gdn_graphs.py tests/test_forward_gpu.py 2>/dev/null) \
+      timeout ${TEST_LIMIT:-150} python3 -m pytest -p no:cacheprovider -q -m gpu ${TESTS:-$(ls tests/test_layer_major.py \
+        tests/test_ple_tables.py tests/test_gdn_graphs.py tests/test_forward_gpu.py 2>/dev/null)} \
         > $OUT/layer_major_gpu_tests.log 2>&1
       echo "tests rc $?" >> $OUT/layer_major_gpu_tests.log
       tail -4 $OUT/layer_major_gpu_tests.log ;;
