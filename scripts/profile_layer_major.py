@@ -11,7 +11,8 @@ of ``generate`` (scheduling, the prefill, sampling), the expert bytes it moved a
 profiler, how the wall time divides: host time before the first device event, host-to-device copy
 time, kernel time, both at once, neither (the device idle), the host's tail after the last
 device event, the time before the first copy, between copies and after the last one, with the
-longest idle gaps and the device events of most total time. ``--host N`` adds cProfile's N
+longest idle gaps, the device events of most total time, and per layer when its experts were asked
+for, copied and used. ``--host N`` adds cProfile's N
 costliest host functions for the layer-major arm. Writes ``DIR/profile_layer_major.json``. Weights are seeded random.
 """
 
@@ -65,6 +66,32 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
     return total
 
 
+def timeline(prof, t0: float) -> list[str]:
+    """Per MoE layer, in ms from the start of ``generate``: when the host asked for its experts
+    (``fill``), when its copies ran on the device, and when its first and last routed-expert
+    kernels ran (one per internal chunk); the copy stream's idle time before each copy."""
+    host = sorted((e.time_range.start, e.name.split()[-1]) for e in prof.events()
+                  if e.device_type == DeviceType.CPU and e.name.startswith("expert fill "))
+    copies = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and "Memcpy HtoD" in e.name
+                    and e.time_range.end - e.time_range.start > 1000)
+    moe = sorted(e.time_range.start for e in prof.events()
+                 if e.device_type == DeviceType.CUDA and e.name == "_sorted_gate_up_kernel")
+    per = -(-len(moe) // max(len(host), 1))
+    lines, end = [], t0
+    for k, (at, layer) in enumerate(host):
+        mine = [c for c in copies if c[0] >= at][:2]  # gate_up and down, queued after the request
+        runs = moe[k * per:(k + 1) * per]
+        if not mine:
+            continue
+        lo, hi = mine[0][0], mine[-1][1]
+        lines.append(f"layer {layer}: fill asked {(at - t0) / 1e3:7.1f}, copy {(lo - t0) / 1e3:7.1f}-{(hi - t0) / 1e3:7.1f} "
+                     f"(copy stream idle {(lo - end) / 1e3:5.1f} before), experts "
+                     + (f"{(runs[0] - t0) / 1e3:7.1f}-{(runs[-1] - t0) / 1e3:7.1f}" if runs else "-"))
+        end = hi
+    return lines
+
+
 def breakdown(prof, gaps: int) -> dict:
     """The ``generate`` range divided into host head, copy, kernel, overlap, idle and host tail (ms)."""
     span = next(e for e in prof.events() if e.name == "generate" and e.device_type == DeviceType.CPU)
@@ -100,6 +127,7 @@ def breakdown(prof, gaps: int) -> dict:
         "longest_idle": [{"at_ms": (lo - t0) * ms, "ms": (hi - lo) * ms}
                          for lo, hi in sorted(idle, key=lambda g: g[0] - g[1])[:gaps]],
         "top_device_events": [{"name": name[:80], "count": n, "ms": t} for name, (n, t) in top],
+        "timeline": timeline(prof, t0),
     }
 
 
@@ -129,6 +157,12 @@ def main() -> None:
               prefill_layer_major=True, max_running_requests=1)
     store = llm.runner.expert_store
     cuda = ns.device.startswith("cuda")
+    fill = store._fill
+
+    def traced_fill(index: int, layer: int) -> None:  # a host range per whole-layer copy, for the timeline
+        with record_function(f"expert fill {layer}"):
+            fill(index, layer)
+    store._fill = traced_fill
 
     def sync() -> None:
         if cuda:
@@ -170,6 +204,8 @@ def main() -> None:
             print(f"    {e['ms']:8.1f} ms {e['count']:6d}x  {e['name']}")
         print("  longest idle: " + ", ".join(f"{g['ms']:.1f} ms at {g['at_ms']:.0f}" for g in parts["longest_idle"]),
               flush=True)
+        for line in parts["timeline"]:
+            print("  " + line)
         if ns.host and arm == "layer_major":
             host = cProfile.Profile()
             host.enable()
