@@ -29,6 +29,9 @@ from .structured import GrammarStates
 from .upload import device_ints
 
 GREEDY = SamplingParams()
+# Threads gathering pinned PLE rows ahead of a layer-major prefill, one internal chunk per task: random
+# row reads from a multi-GB table are bound by memory latency, which more threads hide.
+PLE_WORKERS = 4
 logger = logging.getLogger(__name__)
 
 
@@ -261,7 +264,7 @@ class ModelRunner:
         model = self.model.model
         hold = self.expert_store.hold() if self.expert_store is not None else contextlib.nullcontext()
         with hold:  # entered first: the first MoE layer's copy overlaps the chunks' metadata
-            ahead = self._ple_rows_ahead(outer)
+            ahead = self._ple_rows_ahead(outer, cuts)
             for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
                 part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
                                exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
@@ -280,16 +283,16 @@ class ModelRunner:
                     self.expert_store.finished(layer.layer_idx)
         return streams[-1], pending[-1]
 
-    def _ple_rows_ahead(self, outer: ForwardBatch) -> dict[int, RowsAhead]:
+    def _ple_rows_ahead(self, outer: ForwardBatch, cuts: list[int]) -> dict[int, RowsAhead]:
         """For each PLE layer whose table is pinned in host memory, its rows for the whole segment, gathered
-        on a worker thread while the first layers run."""
+        chunk by chunk (``cuts``) on worker threads while the first layers run."""
         ahead = {}
         for layer in self.model.model.layers:
             if layer.ple is not None and isinstance(layer.ple.ple_embedding.table, PinnedTable):
                 if self._ple_worker is None:
-                    self._ple_worker = ThreadPoolExecutor(1, thread_name_prefix="ple-rows")
+                    self._ple_worker = ThreadPoolExecutor(PLE_WORKERS, thread_name_prefix="ple-rows")
                 embedding = layer.ple.ple_embedding
-                ahead[layer.layer_idx] = RowsAhead(embedding.table, embedding.row_ids(outer), self._ple_worker)
+                ahead[layer.layer_idx] = RowsAhead(embedding.table, embedding.row_ids(outer), cuts, self._ple_worker)
         return ahead
 
     def _forward_batch(self, specs) -> ForwardBatch:

@@ -37,7 +37,13 @@ from bench_layer_major import h2d_bandwidth  # noqa: E402
 
 from tidal import LLM  # noqa: E402
 from tidal.config import ModelConfig  # noqa: E402
+from tidal.executor.offload.ple_table import RowsAhead  # noqa: E402
 from tidal.executor.presets import write_checkpoint  # noqa: E402
+
+
+def traced(name: str) -> bool:
+    """A host range this script records (the profiler shows them on the device as well)."""
+    return name in ("generate", "ple rows send") or name.startswith("expert fill ")
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -68,27 +74,31 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> flo
 
 def timeline(prof, t0: float) -> list[str]:
     """Per MoE layer, in ms from the start of ``generate``: when the host asked for its experts
-    (``fill``), when its copies ran on the device, and when its first and last routed-expert
-    kernels ran (one per internal chunk); the copy stream's idle time before each copy."""
-    host = sorted((e.time_range.start, e.name.split()[-1]) for e in prof.events()
-                  if e.device_type == DeviceType.CPU and e.name.startswith("expert fill "))
+    (``fill``), when its two copies (gate/up and down) ran on the device and how long the copy stream
+    stood idle before them, and when its first and last routed-expert kernels ran (one per internal
+    chunk); then the host's waits for PLE rows gathered ahead."""
+    cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    asks = sorted((e.time_range.start, e.name.split()[-1]) for e in cpu if e.name.startswith("expert fill "))
     copies = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                     if e.device_type == DeviceType.CUDA and "Memcpy HtoD" in e.name
                     and e.time_range.end - e.time_range.start > 1000)
     moe = sorted(e.time_range.start for e in prof.events()
                  if e.device_type == DeviceType.CUDA and e.name == "_sorted_gate_up_kernel")
-    per = -(-len(moe) // max(len(host), 1))
+    if len(copies) != 2 * len(asks):  # the cache served part of a layer: runs, not two copies a layer
+        return [f"{len(copies)} copies over 1 ms for {len(asks)} fills: no per-layer timeline"]
+    per = -(-len(moe) // max(len(asks), 1))
     lines, end = [], t0
-    for k, (at, layer) in enumerate(host):
-        mine = [c for c in copies if c[0] >= at][:2]  # gate_up and down, queued after the request
+    for k, (at, layer) in enumerate(asks):
+        lo, hi = copies[2 * k][0], copies[2 * k + 1][1]
         runs = moe[k * per:(k + 1) * per]
-        if not mine:
-            continue
-        lo, hi = mine[0][0], mine[-1][1]
-        lines.append(f"layer {layer}: fill asked {(at - t0) / 1e3:7.1f}, copy {(lo - t0) / 1e3:7.1f}-{(hi - t0) / 1e3:7.1f} "
-                     f"(copy stream idle {(lo - end) / 1e3:5.1f} before), experts "
-                     + (f"{(runs[0] - t0) / 1e3:7.1f}-{(runs[-1] - t0) / 1e3:7.1f}" if runs else "-"))
+        lines.append(f"layer {layer}: fill asked {(at - t0) / 1e3:6.1f}, copied {(lo - t0) / 1e3:6.1f}-{(hi - t0) / 1e3:6.1f}"
+                     f" (copy stream idle {(lo - end) / 1e3:5.1f} before), experts "
+                     + (f"{(runs[0] - t0) / 1e3:6.1f}-{(runs[-1] - t0) / 1e3:6.1f}" if runs else "-"))
         end = hi
+    waits = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == "ple rows send"]
+    if waits:
+        lines.append("PLE rows sent at " + ", ".join(f"{(lo - t0) / 1e3:.1f} (+{(hi - lo) / 1e3:.1f})"
+                                                     for lo, hi in sorted(waits)))
     return lines
 
 
@@ -97,7 +107,7 @@ def breakdown(prof, gaps: int) -> dict:
     span = next(e for e in prof.events() if e.name == "generate" and e.device_type == DeviceType.CPU)
     t0, t1 = span.time_range.start, span.time_range.end
     device = [e for e in prof.events() if e.device_type == DeviceType.CUDA and t0 <= e.time_range.start <= t1
-              and e.name != "generate"]  # the range itself is recorded on the device too
+              and not traced(e.name)]
     copies = union([(e.time_range.start, e.time_range.end) for e in device if "Memcpy HtoD" in e.name])
     kernels = union([(e.time_range.start, e.time_range.end) for e in device if "Memcpy" not in e.name
                      and "Memset" not in e.name])
@@ -157,12 +167,17 @@ def main() -> None:
               prefill_layer_major=True, max_running_requests=1)
     store = llm.runner.expert_store
     cuda = ns.device.startswith("cuda")
-    fill = store._fill
+    fill, send = store._fill, RowsAhead.send
 
-    def traced_fill(index: int, layer: int) -> None:  # a host range per whole-layer copy, for the timeline
+    def traced_fill(index: int, layer: int) -> None:  # host ranges for the timeline
         with record_function(f"expert fill {layer}"):
             fill(index, layer)
+
+    def traced_send(self, lo: int, hi: int) -> torch.Tensor:
+        with record_function("ple rows send"):
+            return send(self, lo, hi)
     store._fill = traced_fill
+    RowsAhead.send = traced_send
 
     def sync() -> None:
         if cuda:

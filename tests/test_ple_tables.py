@@ -89,11 +89,11 @@ def test_rows_gathered_ahead_match_full_table(tiny_checkpoint, device):
     parts = find_ple_shards(tiny_checkpoint, _table_name(PLE_MODULES[0]))
     table = PinnedTable(full.clone())
     heads = config.ngram_heads
-    with ThreadPoolExecutor(1) as worker:
+    with ThreadPoolExecutor(3) as worker:
         for tokens, cuts, seed in [(150, [0, 64, 128, 150], 0), (70, [0, 1, 64, 70], 1)]:
             ids = _ids(full.shape[0], parts, (tokens, heads), seed).to(device)
-            ahead = RowsAhead(table, ids, worker)
-            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            ahead = RowsAhead(table, ids, cuts, worker)
+            for lo, hi in reversed(list(zip(cuts[:-1], cuts[1:], strict=True))):
                 got = ahead.send(lo, hi)
                 assert got.device.type == device and got.shape == (hi - lo, heads * full.shape[1])
                 assert torch.equal(got.cpu(), full[ids[lo:hi].cpu()].flatten(-2)), (tokens, lo, hi)

@@ -233,17 +233,19 @@ class PinnedTable(PLETable):
 
 
 class RowsAhead:
-    """A whole prompt's rows of one :class:`PinnedTable`, gathered once on a worker thread and sent to the
+    """A whole prompt's rows of one :class:`PinnedTable`, gathered ahead on worker threads and sent to the
     device chunk by chunk: the PLE layer of each internal chunk of a layer-major prefill then neither
     waits for its ids on the host (a synchronisation with the device) nor gathers.
 
     ``ids`` (long ``[T, heads]``) may be on the device: they are copied to pinned host memory on the
-    current stream, and the worker waits for that copy, not the calling thread. On CUDA the rows land in
+    current stream, and the workers wait for that copy, not the calling thread. Each internal chunk
+    (``cuts``: its token bounds) is gathered as its own task, in chunk order, so the first chunk's rows
+    are ready after an eighth of the work and several workers share the rest. On CUDA the rows land in
     the table's own pinned buffer (grown, never shrunk), which the next ``RowsAhead`` of the table
     overwrites only after the last :meth:`send` of this one has been copied.
     """
 
-    def __init__(self, table: PinnedTable, ids: torch.Tensor, worker: Executor):
+    def __init__(self, table: PinnedTable, ids: torch.Tensor, cuts: list[int], worker: Executor):
         self.table, self.device = table, ids.device
         self.heads = ids.shape[1]
         ready = None
@@ -251,21 +253,25 @@ class RowsAhead:
             ids = ids.to("cpu", non_blocking=True)  # into pinned memory, ordered on the current stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._rows = worker.submit(self._gather, ids, ready)
+            host = table._ahead.take(ids.numel())
+        else:
+            host = torch.empty((ids.numel(), table.dim), dtype=table.dtype)
+        self._pieces = {(lo, hi): worker.submit(self._gather, ids, host, lo, hi, ready)
+                        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)}
 
-    def _gather(self, ids: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+    def _gather(self, ids: torch.Tensor, host: torch.Tensor, lo: int, hi: int,
+                ready: torch.cuda.Event | None) -> torch.Tensor:
         if ready is not None:
             ready.synchronize()
-        flat = ids.reshape(-1).long()
-        if self.device.type != "cuda":
-            return torch.index_select(self.table.table, 0, flat)
-        host = self.table._ahead.take(flat.numel())
-        torch.index_select(self.table.table, 0, flat, out=host)
-        return host
+        with torch.inference_mode():  # ``host`` may be an inference tensor (allocated in the forward)
+            rows = host[lo * self.heads:hi * self.heads]
+            torch.index_select(self.table.table, 0, ids[lo:hi].reshape(-1).long(), out=rows)
+        return rows
 
     def send(self, lo: int, hi: int) -> torch.Tensor:
-        """The rows of tokens ``lo:hi`` as ``[hi - lo, heads * dim]`` on the ids' device (asynchronous on CUDA)."""
-        rows = self._rows.result()[lo * self.heads:hi * self.heads]
+        """The rows of tokens ``lo:hi`` (one of the cuts' chunks) as ``[hi - lo, heads * dim]`` on the ids'
+        device (asynchronous on CUDA)."""
+        rows = self._pieces[(lo, hi)].result()
         if self.device.type == "cuda":
             rows = self.table._ahead.send(rows, self.device)
         return rows.view(hi - lo, self.heads * self.table.dim)
