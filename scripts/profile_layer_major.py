@@ -92,7 +92,8 @@ def timeline(prof, t0: float) -> list[str]:
         lo, hi = copies[2 * k][0], copies[2 * k + 1][1]
         runs = moe[k * per:(k + 1) * per]
         lines.append(f"layer {layer}: fill asked {(at - t0) / 1e3:6.1f}, "
-                     f"copied {(lo - t0) / 1e3:6.1f}-{(hi - t0) / 1e3:6.1f} (copy stream idle {(lo - end) / 1e3:5.1f} before), experts "
+                     f"copied {(lo - t0) / 1e3:6.1f}-{(hi - t0) / 1e3:6.1f} "
+                     f"(copy stream idle {(lo - end) / 1e3:5.1f} before), experts "
                      + (f"{(runs[0] - t0) / 1e3:6.1f}-{(runs[-1] - t0) / 1e3:6.1f}" if runs else "-"))
         end = hi
     waits = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == "ple rows send"]
