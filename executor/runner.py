@@ -274,12 +274,23 @@ class ModelRunner:
                 boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
             streams = [model.embed(fb.input_ids) for fb in chunks]
             pending = [None] * len(chunks)
-            for layer in model.layers:
+            for i, layer in enumerate(model.layers):
+                # Every chunk up to the MoE block, then every chunk's MoE: the experts' copy is awaited
+                # once the rest of the layer is queued, and only MoE work is left when it lands.
+                moe_in = []
                 for k, fb in enumerate(chunks):
-                    streams[k], pending[k] = layer(streams[k], pending[k], fb)
+                    streams[k], block_in, inject = layer.before_moe(streams[k], pending[k], fb)
+                    moe_in.append((block_in, inject))
                     for dst in boundary_exports[k]:
                         self.states.copy_layer(layer.layer_idx, seg.slot, dst)
+                for k, fb in enumerate(chunks):
+                    pending[k] = layer.moe(*moe_in[k], fb)
+                del moe_in
                 if self.expert_store is not None:
+                    following = model.layers[i + 1].layer_idx if i + 1 < len(model.layers) else None
+                    if following in ahead and self.expert_store.copy_stream is not None:
+                        # The next layer's PLE rows travel before the layer after next's experts.
+                        ahead[following].upload(self.expert_store.copy_stream)
                     self.expert_store.finished(layer.layer_idx)
         return streams[-1], pending[-1]
 

@@ -206,7 +206,7 @@ def test_context_restored_after_an_exception_in_a_middle_layer(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, prefill_layer_major=True, **OFFLOAD)
     runner = llm.runner
     layer = runner.model.model.layers[2]
-    original = layer.forward
+    original = layer.before_moe
     calls = []
 
     def failing(*args, **kwargs):
@@ -215,13 +215,13 @@ def test_context_restored_after_an_exception_in_a_middle_layer(tiny_checkpoint):
             raise RuntimeError("injected")
         return original(*args, **kwargs)
 
-    layer.forward = failing
+    layer.before_moe = failing
     pages = list(range(16))
     batch = Batch(batch_id=1, mode="layer_major", chunk_size=CHUNK, segments=[
         SegmentSpec(rid="r", slot=0, start=0, token_ids=PROMPT[:150], pages=pages, sample=True)])
     with pytest.raises(RuntimeError, match="injected"):
         runner.execute(batch)
-    layer.forward = original
+    layer.before_moe = original
     assert runner.expert_store._whole_layers is False
     # The runner serves on: the same tokens in another slot score like a fresh model.
     out = runner.execute(Batch(batch_id=2, segments=[

@@ -93,6 +93,8 @@ def test_rows_gathered_ahead_match_full_table(tiny_checkpoint, device):
         for tokens, cuts, seed in [(150, [0, 64, 128, 150], 0), (70, [0, 1, 64, 70], 1)]:
             ids = _ids(full.shape[0], parts, (tokens, heads), seed).to(device)
             ahead = RowsAhead(table, ids, cuts, worker)
+            if device == "cuda" and seed:  # the second prompt: one upload on a side stream, then slices of it
+                ahead.upload(torch.cuda.Stream())
             for lo, hi in reversed(list(zip(cuts[:-1], cuts[1:], strict=True))):
                 got = ahead.send(lo, hi)
                 assert got.device.type == device and got.shape == (hi - lo, heads * full.shape[1])

@@ -52,6 +52,12 @@ class DecoderLayer(nn.Module):
         hyper-connection work runs on them, block inputs are all-gathered, block outputs
         reduce-scattered back, and PLE (its conv crosses rows) sees the gathered streams.
         """
+        streams, block_in, inject = self.before_moe(streams, pending, batch, own)
+        return streams, self.moe(block_in, inject, batch, own)
+
+    def before_moe(self, streams: torch.Tensor, pending, batch: ForwardBatch, own: slice | None = None):
+        """The layer up to its MoE block: ``(streams, block_in, inject)``, the streams with the mixer's
+        residual added and the MoE block's input and inject logits (see :meth:`moe`)."""
         hc_attn, hc_mlp = self.attn_hyper_connection, self.mlp_hyper_connection
         group = tp()
         if self.ple is not None or pending is None:
@@ -75,9 +81,13 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         streams, normed = hc_mlp.add_and_norm(streams, self._block(mixer, block_in, batch, own), inject)
         block_in, inject = hc_mlp.mix(normed, owned_rows=own is not None)
+        return streams, block_in, inject
+
+    def moe(self, block_in: torch.Tensor, inject: torch.Tensor, batch: ForwardBatch, own: slice | None = None):
+        """The layer's MoE block on ``block_in``: its output still ``pending`` with ``inject``."""
         # Only a forward of generated-token decodes may take the MoE's decode kernels: every prompt row
         # takes the same path whatever the chunking, so a prompt computes alike cold, chunked or cached.
-        return streams, (self._block(lambda x, _: self.mlp(x, batch.decode_only), block_in, batch, own), inject)
+        return self._block(lambda x, _: self.mlp(x, batch.decode_only), block_in, batch, own), inject
 
     @staticmethod
     def _block(block, block_in: torch.Tensor, batch: ForwardBatch, own: slice | None) -> torch.Tensor:

@@ -57,6 +57,10 @@ class ExpertStore:
         self._buffer_layer: list[int | None] = [None, None]
         self._buffer_ready: list[torch.cuda.Event | None] = [None, None]
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Host-to-device copies share the copy engine in the order they are issued, whatever their stream:
+        # a small upload on the compute stream waits for every layer copy issued before it. Uploads that
+        # a layer will need go on this stream, ahead of the layer copies issued after them.
+        self.copy_stream = self._stream
         self._whole_layers = False
         self.loads = {layer: 0 for layer in self.layers}
         self.bytes = {layer: 0 for layer in self.layers}

@@ -256,8 +256,10 @@ class RowsAhead:
             host = table._ahead.take(ids.numel())
         else:
             host = torch.empty((ids.numel(), table.dim), dtype=table.dtype)
+        self._host = host
         self._pieces = {(lo, hi): worker.submit(self._gather, ids, host, lo, hi, ready)
                         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)}
+        self._uploaded: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     def _gather(self, ids: torch.Tensor, host: torch.Tensor, lo: int, hi: int,
                 ready: torch.cuda.Event | None) -> torch.Tensor:
@@ -268,12 +270,30 @@ class RowsAhead:
             torch.index_select(self.table.table, 0, ids[lo:hi].reshape(-1).long(), out=rows)
         return rows
 
+    def upload(self, stream: torch.cuda.Stream) -> None:
+        """Every chunk's rows to the device in one copy on ``stream``, once they are gathered (the calling
+        thread waits for the workers); later sends take their rows from that copy."""
+        for piece in self._pieces.values():
+            piece.result()
+        current = torch.cuda.current_stream(self.device)
+        rows = torch.empty(self._host.shape, dtype=self._host.dtype, device=self.device)
+        with torch.cuda.stream(stream):
+            rows.copy_(self._host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.table._ahead.event = done  # the pinned buffer is not overwritten before this copy ends
+        current.wait_event(done)
+        self._uploaded = rows, done
+
     def send(self, lo: int, hi: int) -> torch.Tensor:
         """The rows of tokens ``lo:hi`` (one of the cuts' chunks) as ``[hi - lo, heads * dim]`` on the ids'
         device (asynchronous on CUDA)."""
-        rows = self._pieces[(lo, hi)].result()
-        if self.device.type == "cuda":
-            rows = self.table._ahead.send(rows, self.device)
+        if self._uploaded is not None:
+            rows = self._uploaded[0][lo * self.heads:hi * self.heads]
+        else:
+            rows = self._pieces[(lo, hi)].result()
+            if self.device.type == "cuda":
+                rows = self.table._ahead.send(rows, self.device)
         return rows.view(hi - lo, self.heads * self.table.dim)
 
 
