@@ -79,13 +79,13 @@ def timeline(prof, t0: float) -> list[str]:
     chunk); then the host's waits for PLE rows gathered ahead."""
     cpu = [e for e in prof.events() if e.device_type == DeviceType.CPU]
     asks = sorted((e.time_range.start, e.name.split()[-1]) for e in cpu if e.name.startswith("expert fill "))
-    copies = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == DeviceType.CUDA and "Memcpy HtoD" in e.name
-                    and e.time_range.end - e.time_range.start > 1000)
+    copies = sorted((e.time_range.end - e.time_range.start, e.time_range.start, e.time_range.end)
+                    for e in prof.events() if e.device_type == DeviceType.CUDA and "Memcpy HtoD" in e.name)
+    copies = sorted((lo, hi) for _, lo, hi in copies[-2 * len(asks):])  # the layers' copies are the longest
     moe = sorted(e.time_range.start for e in prof.events()
                  if e.device_type == DeviceType.CUDA and e.name == "_sorted_gate_up_kernel")
-    if len(copies) != 2 * len(asks):  # the cache served part of a layer: runs, not two copies a layer
-        return [f"{len(copies)} copies over 1 ms for {len(asks)} fills: no per-layer timeline"]
+    if not asks or len(copies) != 2 * len(asks):
+        return []
     per = -(-len(moe) // max(len(asks), 1))
     lines, end = [], t0
     for k, (at, layer) in enumerate(asks):

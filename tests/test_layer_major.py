@@ -272,6 +272,22 @@ def test_layer_major_gathers_pinned_ple_rows_ahead(tiny_checkpoint, reference, m
     assert gathers == [1] * 7 * tables  # only the seven decodes gather, a row each
 
 
+@pytest.mark.gpu
+def test_layer_major_on_cuda_gives_the_chunked_ids(tiny_checkpoint):
+    """On CUDA, with the expert copy stream, pinned PLE rows gathered ahead and uploaded ahead of later
+    layer copies (tiny's second PLE layer is not its first layer): the ids of chunked prefill."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(device="cuda", ple_backend="pinned", **OFFLOAD)
+    chunked = LLM(tiny_checkpoint, **kw)
+    layer_major = LLM(tiny_checkpoint, prefill_layer_major=True, **kw)
+    for seed in (5, 6, 7):  # cold prompts, each after the last one's decodes
+        prompt = ids(900, seed)
+        want = chunked.generate([prompt], max_tokens=8, ignore_eos=True)[0]
+        assert layer_major.generate([prompt], max_tokens=8, ignore_eos=True)[0] == want, seed
+    assert layer_major.runner.expert_store.stats()["expert_layer_streams"][0] == 3
+
+
 def test_disk_ple_needs_checkpoint_files():
     with pytest.raises(ValueError, match="--ple-backend"):
         ServerArgs(ple_backend="disk", load_format="random")

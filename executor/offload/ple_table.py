@@ -277,6 +277,9 @@ class RowsAhead:
             piece.result()
         current = torch.cuda.current_stream(self.device)
         rows = torch.empty(self._host.shape, dtype=self._host.dtype, device=self.device)
+        # ``rows`` may reuse memory that work queued on the current stream still reads (a tensor freed just
+        # before): the copy waits for that work.
+        stream.wait_stream(current)
         with torch.cuda.stream(stream):
             rows.copy_(self._host, non_blocking=True)
             done = torch.cuda.Event()
