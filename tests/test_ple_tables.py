@@ -92,6 +92,7 @@ def test_rows_gathered_ahead_match_full_table(tiny_checkpoint, device):
     with ThreadPoolExecutor(3) as worker:
         for tokens, cuts, seed in [(150, [0, 64, 128, 150], 0), (70, [0, 1, 64, 70], 1)]:
             ids = _ids(full.shape[0], parts, (tokens, heads), seed).to(device)
+            RowsAhead(table, ids.flip(0), cuts, worker)  # abandoned (a forward that failed): gathers still run
             ahead = RowsAhead(table, ids, cuts, worker)
             if device == "cuda" and seed:  # the second prompt: one upload on a side stream, then slices of it
                 ahead.upload(torch.cuda.Stream())

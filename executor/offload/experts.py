@@ -56,11 +56,10 @@ class ExpertStore:
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._buffer_layer: list[int | None] = [None, None]
         self._buffer_ready: list[torch.cuda.Event | None] = [None, None]
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Host-to-device copies share the copy engine in the order they are issued, whatever their stream:
-        # a small upload on the compute stream waits for every layer copy issued before it. Uploads that
-        # a layer will need go on this stream, ahead of the layer copies issued after them.
-        self.copy_stream = self._stream
+        # Whole-layer copies run here. Host-to-device copies share the copy engine in the order they are
+        # issued, whatever their stream: a small upload on the compute stream waits for every layer copy
+        # issued before it, so uploads that a layer will need go on this stream, ahead of later layers.
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._whole_layers = False
         self.loads = {layer: 0 for layer in self.layers}
         self.bytes = {layer: 0 for layer in self.layers}
@@ -178,14 +177,14 @@ class ExpertStore:
             gate_up.index_copy_(0, experts, self.cache_gate_up.index_select(0, slots))
             down.index_copy_(0, experts, self.cache_down.index_select(0, slots))
         runs = _runs([e for e in range(self.num_experts) if e not in cached])
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
                 for lo, hi in runs:
                     gate_up[lo:hi].copy_(self.gate_up[layer][lo:hi], non_blocking=True)
                     down[lo:hi].copy_(self.down[layer][lo:hi], non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(self._stream)
+                event.record(self.copy_stream)
             self._buffer_ready[index] = event
         else:
             for lo, hi in runs:

@@ -22,7 +22,7 @@ import json
 import os
 import struct
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,6 +220,7 @@ class PinnedTable(PLETable):
         self.dtype = table.dtype
         self._staging = _Staging(self.dim, self.dtype)
         self._ahead = _Staging(self.dim, self.dtype)  # the rows of :class:`RowsAhead`
+        self._ahead_gathers: list[Future] = []  # the latest RowsAhead's gathers into ``_ahead``
         self._lock = threading.Lock()
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
@@ -234,15 +235,16 @@ class PinnedTable(PLETable):
 
 class RowsAhead:
     """A whole prompt's rows of one :class:`PinnedTable`, gathered ahead on worker threads and sent to the
-    device chunk by chunk: the PLE layer of each internal chunk of a layer-major prefill then neither
-    waits for its ids on the host (a synchronisation with the device) nor gathers.
+    device chunk by chunk (or, with :meth:`upload`, in one copy on a given stream): the PLE layer of each
+    internal chunk of a layer-major prefill then neither waits for its ids on the host (a
+    synchronisation with the device) nor gathers.
 
     ``ids`` (long ``[T, heads]``) may be on the device: they are copied to pinned host memory on the
     current stream, and the workers wait for that copy, not the calling thread. Each internal chunk
     (``cuts``: its token bounds) is gathered as its own task, in chunk order, so the first chunk's rows
     are ready after an eighth of the work and several workers share the rest. On CUDA the rows land in
     the table's own pinned buffer (grown, never shrunk), which the next ``RowsAhead`` of the table
-    overwrites only after the last :meth:`send` of this one has been copied.
+    overwrites only after this one's gathers have ended and its last copy has been made.
     """
 
     def __init__(self, table: PinnedTable, ids: torch.Tensor, cuts: list[int], worker: Executor):
@@ -253,13 +255,17 @@ class RowsAhead:
             ids = ids.to("cpu", non_blocking=True)  # into pinned memory, ordered on the current stream
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
+            for gather in table._ahead_gathers:  # a forward that failed half-way may leave some running
+                gather.exception()
             host = table._ahead.take(ids.numel())
         else:
             host = torch.empty((ids.numel(), table.dim), dtype=table.dtype)
         self._host = host
         self._pieces = {(lo, hi): worker.submit(self._gather, ids, host, lo, hi, ready)
                         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)}
-        self._uploaded: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        if self.device.type == "cuda":
+            table._ahead_gathers = list(self._pieces.values())
+        self._uploaded: torch.Tensor | None = None
 
     def _gather(self, ids: torch.Tensor, host: torch.Tensor, lo: int, hi: int,
                 ready: torch.cuda.Event | None) -> torch.Tensor:
@@ -286,13 +292,13 @@ class RowsAhead:
             done.record(stream)
         self.table._ahead.event = done  # the pinned buffer is not overwritten before this copy ends
         current.wait_event(done)
-        self._uploaded = rows, done
+        self._uploaded = rows
 
     def send(self, lo: int, hi: int) -> torch.Tensor:
         """The rows of tokens ``lo:hi`` (one of the cuts' chunks) as ``[hi - lo, heads * dim]`` on the ids'
         device (asynchronous on CUDA)."""
         if self._uploaded is not None:
-            rows = self._uploaded[0][lo * self.heads:hi * self.heads]
+            rows = self._uploaded[lo * self.heads:hi * self.heads]
         else:
             rows = self._pieces[(lo, hi)].result()
             if self.device.type == "cuda":
