@@ -188,7 +188,9 @@ def test_qsa_tile_split_capped_by_block_count(monkeypatch) -> None:
 def test_prompt_rows_do_not_depend_on_the_chunk(selected: bool) -> None:
     """A prompt row gives the same bits whether its forward holds the whole prompt (cold) or only a short
     last chunk of it (chunked prefill, or the rest after a prefix-cache hit): no key split whose merge
-    would sum it in another order, however few rows the chunk has."""
+    would sum it in another order, however few rows the chunk has. Compiled (CUDA), bit for bit; under
+    the CPU interpreter a dot is numpy's matmul, whose BLAS may round a row differently by its place in
+    the tile on some CPUs, so there the rows agree to float32 rounding."""
     # QSA: 16 of up to 25 blocks plus the tail, 3 key tiles a row: room to split a short chunk's rows.
     case = make_case([48], [160], heads=4, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32,
                      device=DEVICE, seed=9, ratio=8 if selected else 0, topk=16 if selected else 0)
@@ -200,7 +202,10 @@ def test_prompt_rows_do_not_depend_on_the_chunk(selected: bool) -> None:
         chunk = paged_attention(case["q"][-rows:], *args[1:], torch.tensor([0, rows], dtype=torch.int32, device=DEVICE),
                                 case["kv_lens"], case["scale"], block_sel=sel, qsa_ratio=case["qsa_ratio"],
                                 max_seqlen_q=rows)
-        assert torch.equal(chunk, whole[-rows:])
+        if DEVICE == "cuda":
+            assert torch.equal(chunk, whole[-rows:])
+        else:
+            assert max_rel_err(chunk, whole[-rows:]) < 1e-6
 
 
 @pytest.mark.parametrize("num_splits,with_gate", [(None, False), (1, True), (3, False), (3, True)])
