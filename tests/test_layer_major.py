@@ -173,8 +173,6 @@ def test_finished_layer_starts_the_layer_after_next():
 def test_layer_streams_take_cached_experts_from_their_slots(device):
     """A whole-layer copy takes the experts the cache holds from their device slots and copies only the
     others from host memory; the counters count host copies, and the layer computes as from the host."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     store, gate_up, down = _store(device, slots=3)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 8, generator=g).to(device)
@@ -276,8 +274,6 @@ def test_layer_major_gathers_pinned_ple_rows_ahead(tiny_checkpoint, reference, m
 def test_layer_major_on_cuda_gives_the_chunked_ids(tiny_checkpoint):
     """On CUDA, with the expert copy stream, pinned PLE rows gathered ahead and uploaded ahead of later
     layer copies (tiny's second PLE layer is not its first layer): the ids of chunked prefill."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     kw = dict(device="cuda", ple_backend="pinned", **OFFLOAD)
     chunked = LLM(tiny_checkpoint, **kw)
     layer_major = LLM(tiny_checkpoint, prefill_layer_major=True, **kw)
