@@ -61,6 +61,7 @@ class ExpertStore:
         # issued before it, so uploads that a layer will need go on this stream, ahead of later layers.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._whole_layers = False
+        self._held_indices: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.loads = {layer: 0 for layer in self.layers}
         self.bytes = {layer: 0 for layer in self.layers}
         self.layer_streams = {layer: 0 for layer in self.layers}
@@ -77,11 +78,14 @@ class ExpertStore:
         starts copying on entry, so its copy overlaps whatever precedes the first MoE call (the chunks'
         metadata, the embeddings, the first mixer over every chunk). Restored on exit, however it ends."""
         previous, self._whole_layers = self._whole_layers, True
+        # Whole layers leave the cache as it is: where each layer's cached experts sit is uploaded now, in
+        # one copy, rather than per layer behind the layer copies already queued on the copy engine.
+        self._held_indices = self._cached_indices(self.layers)
         try:
             self._buffer_for(self.layers[0])
             yield self
         finally:
-            self._whole_layers = previous
+            self._whole_layers, self._held_indices = previous, None
 
     def finished(self, layer: int) -> None:
         """Layer-major: every MoE call of ``layer`` is queued, so its buffer starts taking the layer after
@@ -135,6 +139,23 @@ class ExpertStore:
             slots.append(slot)
         return slots
 
+    def _cached_indices(self, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, the ids of the experts the cache holds and their slots, as device tensors uploaded in
+        one copy (None for a layer with none cached)."""
+        held: dict[int, list[tuple[int, int]]] = {layer: [] for layer in layers}
+        for (layer, e), slot in self._lru.items():
+            if layer in held:
+                held[layer].append((e, slot))
+        pairs = [pair for layer in layers for pair in sorted(held[layer])]
+        flat = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t().to(self.device)
+        out: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+        at = 0
+        for layer in layers:
+            n = len(held[layer])
+            out[layer] = (flat[0, at:at + n], flat[1, at:at + n]) if n else None
+            at += n
+        return out
+
     def _buffer_for(self, layer: int) -> int:
         """The buffer holding ``layer``, its copy started here if it is in neither."""
         if not self._buffers:
@@ -168,14 +189,15 @@ class ExpertStore:
         compute stream, in order with the cache's own writes), the rest from host memory in runs of
         consecutive experts (on the copy stream, after the work that may still read the buffer)."""
         gate_up, down = self._buffers[index]
-        cached = {e: slot for (lay, e), slot in self._lru.items() if lay == layer}
-        if cached:
+        held = self._held_indices if self._held_indices is not None else self._cached_indices([layer])
+        indices = held[layer]
+        if indices is not None:
             if self._buffer_ready[index] is not None:  # a fill of this buffer still under way on the copy stream
                 torch.cuda.current_stream(self.device).wait_event(self._buffer_ready[index])
-            experts = torch.tensor(sorted(cached), device=self.device)
-            slots = torch.tensor([cached[e] for e in sorted(cached)], device=self.device)
+            experts, slots = indices
             gate_up.index_copy_(0, experts, self.cache_gate_up.index_select(0, slots))
             down.index_copy_(0, experts, self.cache_down.index_select(0, slots))
+        cached = {e for (lay, e) in self._lru if lay == layer}
         runs = _runs([e for e in range(self.num_experts) if e not in cached])
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
