@@ -92,6 +92,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
+        if batch.mode == "layer_major" and self.expert_store is not None:
+            with self.expert_store.hold():  # entered first: the first layers' copies overlap the batch's setup
+                return self._execute(batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: Batch) -> RunnerOutput:
         # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         specs = batch.segments
@@ -262,36 +268,34 @@ class ModelRunner:
         chunks, boundary_exports = [], []
         cuts = [b - seg.start for b in chunk_bounds(seg.start, seg.start + seg.length, chunk)]
         model = self.model.model
-        hold = self.expert_store.hold() if self.expert_store is not None else contextlib.nullcontext()
-        with hold:  # entered first: the first MoE layer's copy overlaps the chunks' metadata
-            ahead = self._ple_rows_ahead(outer, cuts)
-            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-                part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
-                               exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
-                chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
-                                                  qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
-                chunks[-1].ple_rows = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
-                boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
-            streams = [model.embed(fb.input_ids) for fb in chunks]
-            pending = [None] * len(chunks)
-            for i, layer in enumerate(model.layers):
-                # Every chunk up to the MoE block, then every chunk's MoE: the experts' copy is awaited
-                # once the rest of the layer is queued, and only MoE work is left when it lands.
-                moe_in = []
-                for k, fb in enumerate(chunks):
-                    streams[k], block_in, inject = layer.before_moe(streams[k], pending[k], fb)
-                    moe_in.append((block_in, inject))
-                    for dst in boundary_exports[k]:
-                        self.states.copy_layer(layer.layer_idx, seg.slot, dst)
-                for k, fb in enumerate(chunks):
-                    pending[k] = layer.moe(*moe_in[k], fb)
-                del moe_in
-                if self.expert_store is not None:
-                    following = model.layers[i + 1].layer_idx if i + 1 < len(model.layers) else None
-                    if following in ahead and self.expert_store.copy_stream is not None:
-                        # The next layer's PLE rows travel before the layer after next's experts.
-                        ahead[following].upload(self.expert_store.copy_stream)
-                    self.expert_store.finished(layer.layer_idx)
+        ahead = self._ple_rows_ahead(outer, cuts)
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
+                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
+            chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
+                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
+            chunks[-1].ple_rows = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
+            boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
+        streams = [model.embed(fb.input_ids) for fb in chunks]
+        pending = [None] * len(chunks)
+        for i, layer in enumerate(model.layers):
+            # Every chunk up to the MoE block, then every chunk's MoE: the experts' copy is awaited
+            # once the rest of the layer is queued, and only MoE work is left when it lands.
+            moe_in = []
+            for k, fb in enumerate(chunks):
+                streams[k], block_in, inject = layer.before_moe(streams[k], pending[k], fb)
+                moe_in.append((block_in, inject))
+                for dst in boundary_exports[k]:
+                    self.states.copy_layer(layer.layer_idx, seg.slot, dst)
+            for k, fb in enumerate(chunks):
+                pending[k] = layer.moe(*moe_in[k], fb)
+            del moe_in
+            if self.expert_store is not None:
+                following = model.layers[i + 1].layer_idx if i + 1 < len(model.layers) else None
+                if following in ahead and self.expert_store.copy_stream is not None:
+                    # The next layer's PLE rows travel before the layer after next's experts.
+                    ahead[following].upload(self.expert_store.copy_stream)
+                self.expert_store.finished(layer.layer_idx)
         return streams[-1], pending[-1]
 
     def _ple_rows_ahead(self, outer: ForwardBatch, cuts: list[int]) -> dict[int, RowsAhead]:

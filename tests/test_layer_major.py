@@ -122,9 +122,10 @@ def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny
     assert stats["expert_bytes"] == [expected * experts * one] * layers
 
 
-def test_hold_starts_the_first_layers_copy_on_entry():
-    """The first MoE layer is copied when layer-major begins (before any MoE call), and its MoE call
-    then takes that copy: one stream per layer, the next one started by the call."""
+def test_hold_starts_the_first_two_layers_copies_on_entry():
+    """The first two MoE layers are copied when layer-major begins (before any MoE call), one into each
+    buffer; the first layer's MoE call takes its copy, and once its calls are all queued the third layer
+    goes into that buffer: one stream per layer."""
     g = torch.Generator().manual_seed(0)
     gate_up = {i: torch.randn(4, 8, 8, generator=g) for i in (1, 3, 5)}
     down = {i: torch.randn(4, 8, 4, generator=g) for i in (1, 3, 5)}
@@ -133,9 +134,13 @@ def test_hold_starts_the_first_layers_copy_on_entry():
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
     weights = torch.full((5, 2), 0.5)
     with store.hold():
-        assert store.stats()["expert_layer_streams"] == [1, 0, 0]
+        assert store.stats()["expert_layer_streams"] == [1, 1, 0]
         out = store.forward(1, x, ids, weights)
         assert store.stats()["expert_layer_streams"] == [1, 1, 0]
+        store.finished(1)
+        assert store.stats()["expert_layer_streams"] == [1, 1, 1]
+        out3 = store.forward(3, x, ids, weights)
+    assert torch.allclose(out3, fused_experts_ref(x, ids, weights, gate_up[3], down[3]), atol=1e-5)
     assert torch.allclose(out, fused_experts_ref(x, ids, weights, gate_up[1], down[1]), atol=1e-5)
 
 

@@ -74,15 +74,17 @@ class ExpertStore:
     @contextmanager
     def hold(self):
         """Layer-major prefill: every MoE call takes its layer whole from the double buffer, so the
-        chunks of one layer share one copy and the next layer streams meanwhile. The first MoE layer
-        starts copying on entry, so its copy overlaps whatever precedes the first MoE call (the chunks'
-        metadata, the embeddings, the first mixer over every chunk). Restored on exit, however it ends."""
+        chunks of one layer share one copy and the next layer streams meanwhile. The first two MoE layers
+        start copying on entry, one into each buffer, back to back on the copy engine, so they overlap
+        whatever precedes the first MoE call (the batch's setup, the embeddings, the first mixer over
+        every chunk). Restored on exit, however it ends."""
         previous, self._whole_layers = self._whole_layers, True
         # Whole layers leave the cache as it is: where each layer's cached experts sit is uploaded now, in
         # one copy, rather than per layer behind the layer copies already queued on the copy engine.
         self._held_indices = self._cached_indices(self.layers)
         try:
-            self._buffer_for(self.layers[0])
+            for layer in self.layers[:2]:
+                self._buffer_for(layer)
             yield self
         finally:
             self._whole_layers, self._held_indices = previous, None
