@@ -6,7 +6,7 @@
 #   profile  scripts/profile_layer_major.py: offline wall time against the PCIe floor, the copy gaps, host functions
 #   text     scripts/bench_layer_major.py with the seed's text prompts (arms layer_major, chunked)
 #   ids      the same with random token-id prompts
-# TESTS overrides the test files. Limits: TEST_LIMIT, NUM_LIMIT, PREFILL_LIMIT, PROFILE_LIMIT, BENCH_LIMIT (seconds). Logs to $OUT.
+# TESTS overrides the test files; ARMS the bench's arms, in order (default layer_major,chunked). Limits: TEST_LIMIT, NUM_LIMIT, PREFILL_LIMIT, PROFILE_LIMIT, BENCH_LIMIT (seconds). Logs to $OUT.
 #   bash scripts/device_issue8.sh [tests|numerics|prefill|profile|text|ids ...]   (default: tests profile text)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
@@ -34,7 +34,7 @@ for part in ${*:-tests profile text}; do
       grep -E "^(prefill|decode)|rc |peak" $OUT/bench_forward.log ;;
     text|ids)
       mkdir -p $OUT/$part
-      timeout ${BENCH_LIMIT:-260} python3 scripts/bench_layer_major.py --out $OUT/$part --arms layer_major,chunked \
+      timeout ${BENCH_LIMIT:-260} python3 scripts/bench_layer_major.py --out $OUT/$part --arms ${ARMS:-layer_major,chunked} \
         --prompts $part > $OUT/$part/bench_layer_major.log 2>&1; echo "bench rc $?" >> $OUT/$part/bench_layer_major.log
       tail -7 $OUT/$part/bench_layer_major.log ;;
   esac
