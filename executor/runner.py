@@ -93,7 +93,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
         if batch.mode == "layer_major" and self.expert_store is not None:
-            with self.expert_store.hold():  # entered first: the first layer's copy overlaps the batch's setup
+            with self.expert_store.hold():
                 return self._execute(batch)
         return self._execute(batch)
 
@@ -276,8 +276,8 @@ class ModelRunner:
                                               qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
             chunks[-1].ple_rows = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
             boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
-        if self.expert_store is not None:  # every upload of the batch is issued
-            self.expert_store.copy_ahead()
+        if self.expert_store is not None:  # every upload of the batch is issued: the layers' copies follow
+            self.expert_store.start()
         streams = [model.embed(fb.input_ids) for fb in chunks]
         pending = [None] * len(chunks)
         for i, layer in enumerate(model.layers):

@@ -122,10 +122,10 @@ def test_each_layer_streams_once_per_layer_major_prefill_and_once_per_chunk(tiny
     assert stats["expert_bytes"] == [expected * experts * one] * layers
 
 
-def test_hold_and_copy_ahead_copy_the_first_two_layers():
-    """Entering ``hold`` copies the first MoE layer and ``copy_ahead`` the second (before any MoE call),
-    one into each buffer; the first layer's MoE call takes its copy, and once its calls are all queued the
-    third layer goes into that buffer: one stream per layer."""
+def test_start_copies_the_first_two_layers():
+    """``start`` copies the first two MoE layers (before any MoE call), one into each
+    buffer; the first layer's MoE call takes its copy, and once its calls are all queued the third layer
+    goes into that buffer: one stream per layer."""
     g = torch.Generator().manual_seed(0)
     gate_up = {i: torch.randn(4, 8, 8, generator=g) for i in (1, 3, 5)}
     down = {i: torch.randn(4, 8, 4, generator=g) for i in (1, 3, 5)}
@@ -134,8 +134,8 @@ def test_hold_and_copy_ahead_copy_the_first_two_layers():
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
     weights = torch.full((5, 2), 0.5)
     with store.hold():
-        assert store.stats()["expert_layer_streams"] == [1, 0, 0]
-        store.copy_ahead()
+        assert store.stats()["expert_layer_streams"] == [0, 0, 0]
+        store.start()
         assert store.stats()["expert_layer_streams"] == [1, 1, 0]
         out = store.forward(1, x, ids, weights)
         assert store.stats()["expert_layer_streams"] == [1, 1, 0]

@@ -74,26 +74,23 @@ class ExpertStore:
     @contextmanager
     def hold(self):
         """Layer-major prefill: every MoE call takes its layer whole from the double buffer, so the
-        chunks of one layer share one copy and the next layer streams meanwhile. The first MoE layer
-        starts copying on entry (see :meth:`copy_ahead` for the second). Restored on exit, however it
-        ends."""
+        chunks of one layer share one copy and the next layer streams meanwhile (:meth:`start` begins).
+        Restored on exit, however it ends."""
         previous, self._whole_layers = self._whole_layers, True
         # Whole layers leave the cache as it is: where each layer's cached experts sit is uploaded now, in
         # one copy, rather than per layer behind the layer copies already queued on the copy engine.
         self._held_indices = self._cached_indices(self.layers)
         try:
-            self._buffer_for(self.layers[0])
             yield self
         finally:
             self._whole_layers, self._held_indices = previous, None
 
-    def copy_ahead(self) -> None:
-        """Layer-major: start copying the second MoE layer into the other buffer, back to back with the
-        first on the copy engine. Called once the batch's own uploads are issued: host-to-device copies
-        run in issue order, so an upload issued after this one waits for two whole layers' copies, and
-        the work that needs it with it."""
-        if len(self.layers) > 1:
-            self._buffer_for(self.layers[1])
+    def start(self) -> None:
+        """Layer-major: copy the first two MoE layers now, one into each buffer, back to back on the copy
+        engine. Called once the batch's own uploads are issued: host-to-device copies run in issue order,
+        so an upload issued after these waits for them (and, from pageable memory, so does the host)."""
+        for layer in self.layers[:2]:
+            self._buffer_for(layer)
 
     def finished(self, layer: int) -> None:
         """Layer-major: every MoE call of ``layer`` is queued, so its buffer starts taking the layer after
