@@ -23,9 +23,11 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _tap(ns: argparse.Namespace) -> int:
-    """Print one JSON object per PromptAdmitted / Detokenize message published on the tap."""
+    """Print one JSON object per PromptAdmitted / Detokenize message published on the tap (and, on
+    stderr, one line once connected: what the server publishes from then on is printed)."""
     import msgspec
     import zmq
+    from zmq.utils.monitor import recv_monitor_message
 
     from .messages import TapMessage, decoder, to_builtins
 
@@ -33,11 +35,15 @@ def _tap(ns: argparse.Namespace) -> int:
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # the subscription goes out with it
     sock.connect(ns.connect)
     dec = decoder(TapMessage)
     out = sys.stdout
     deadline = None if ns.count is None else ns.count
     try:
+        recv_monitor_message(monitor)  # the server may not be up yet: ZeroMQ retries until it is
+        sock.disable_monitor()
+        print(f"tap: connected to {ns.connect}", file=sys.stderr, flush=True)
         while deadline is None or deadline > 0:
             msg = dec.decode(sock.recv())
             out.write(msgspec.json.encode(to_builtins(msg)).decode() + "\n")

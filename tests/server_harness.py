@@ -170,19 +170,29 @@ class Server:
         return alive
 
 
+def start_tap(addr: str) -> subprocess.Popen:
+    """``tidal tap --connect addr``, returned once it says it is connected (its stdout a text pipe)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "tap", "--connect", addr],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()
+    if not line.startswith("tap: connected"):
+        proc.kill()
+        raise RuntimeError(f"tidal tap did not connect to {addr}: {line!r}{proc.stderr.read()}")
+    time.sleep(0.2)  # the publisher takes the subscription in asynchronously
+    return proc
+
+
 class Tap:
     """Runs ``tidal tap`` and collects its JSON lines per request id, in a background thread."""
 
     def __init__(self, addr: str):
         import threading
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "tap", "--connect", addr],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = start_tap(addr)
         self.lines: list[dict] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
-        time.sleep(1.0)  # let the subscription reach the publisher
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 import pytest
-from server_harness import Server, child_pids, cmdline, stream_one
+from server_harness import Server, child_pids, cmdline, start_tap, stream_one
 
 from tidal import LLM
 
@@ -75,10 +75,8 @@ def test_sdk_chat_streaming_and_not(client):
 
 
 def test_tap_ids_equal_offline_generate(server, offline, tiny_checkpoint):
-    tap = subprocess.Popen([sys.executable, "-m", "tidal.cli", "tap", "--connect", server.tap_addr],
-                           stdout=subprocess.PIPE, text=True)
+    tap = start_tap(server.tap_addr)
     try:
-        time.sleep(1.0)  # let the subscription reach the publisher
         prompt = list(range(3000, 3137))
         status, body = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 20,
                                                        "temperature": 0, "ignore_eos": True})
