@@ -102,8 +102,10 @@ class Qwen4ExpModel(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        # Built without nn.Embedding's random init: its normal_ on the meta device imports torch._dynamo
+        # (seconds), and every weight is loaded or filled afterwards anyway.
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _freeze=True,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.rotary = Rotary(c.rotary_dim, c.rope_theta)
         self.layers = nn.ModuleList([DecoderLayer(c, i, self.rotary) for i in range(c.num_hidden_layers)])
         self.hyper_connection_mixer = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps,
