@@ -48,36 +48,38 @@ def _prefix_run(llm: LLM) -> tuple[list[int], list[int], list[int]]:
     return cold, warm, admitted
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, kwargs: dict, queue, length: int) -> None:
+def _rank_main(rank: int, size: int, port: int, path: str, variants: list[dict], queue, length: int) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
     init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
     try:
-        if length == 0:  # the prefix-cache scenario
-            result = _prefix_run(LLM(path, tp=size, **kwargs))
-            if rank == 0:
-                queue.put(result)
-            return
-        llm = LLM(path, tp=size, **kwargs)
-        before = llm.runner.stats()
-        logits = llm.score(_prompt(length))
-        scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
-        ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
+        results = []
+        for kwargs in variants:  # one LLM after another in the same rank processes
+            if length == 0:  # the prefix-cache scenario
+                results.append(_prefix_run(LLM(path, tp=size, **kwargs)))
+                continue
+            llm = LLM(path, tp=size, **kwargs)
+            before = llm.runner.stats()
+            logits = llm.score(_prompt(length))
+            scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
+            ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
+            results.append((logits.numpy(), ids, scored))  # by value: the process exits before the parent reads
         if rank == 0:
-            # by value: the process exits before the parent reads
-            queue.put((logits.numpy(), ids, scored))
+            queue.put(results)
     except Exception as e:  # report instead of hanging the parent
         queue.put(e)
         raise
 
 
-def run_tp(path: str, size: int, length: int = PROMPT_LEN, **kwargs):
-    """``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0."""
+def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
+    """For each ``LLM`` keyword set in ``variants``, run in turn by one set of ``size`` rank processes:
+    ``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0 (with
+    ``length`` 0, what :func:`_prefix_run` returns)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, path, kwargs, queue, length))
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, path, variants, queue, length))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -89,7 +91,12 @@ def run_tp(path: str, size: int, length: int = PROMPT_LEN, **kwargs):
     assert all(p.exitcode == 0 for p in procs)
     if length == 0:
         return result
-    return torch.from_numpy(result[0]), result[1], result[2]
+    return [(torch.from_numpy(logits), ids, scored) for logits, ids, scored in result]
+
+
+def run_tp(path: str, size: int, length: int = PROMPT_LEN, **kwargs):
+    """:func:`run_tp_variants` of one keyword set."""
+    return run_tp_variants(path, size, length, [kwargs])[0]
 
 
 @pytest.fixture(scope="module")
@@ -106,23 +113,26 @@ def single(tp_checkpoint):
     return llm.score(prompt), llm.generate([prompt], max_tokens=32, ignore_eos=True)[0]
 
 
-@pytest.mark.parametrize("mode", ["off", "control", "shard"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size, mode):
-    """A 1024-row prefill (sharded in ``shard`` mode), then 32 decodes (always replicated)."""
-    logits, ids, stats = run_tp(tp_checkpoint, size, SHARD_LEN, max_prefill_length=SHARD_LEN, hc_prefill_mode=mode)
+def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size):
+    """In each hyper-connection prefill mode (one set of rank processes runs the three): a 1024-row
+    prefill (sharded in ``shard`` mode), then 32 decodes (always replicated)."""
+    modes = ["off", "control", "shard"]
+    results = run_tp_variants(tp_checkpoint, size, SHARD_LEN,
+                              [dict(max_prefill_length=SHARD_LEN, hc_prefill_mode=mode) for mode in modes])
     ref_logits, ref_ids = single
-    assert (logits - ref_logits).abs().max().item() <= 1e-4
-    assert ids == ref_ids
     config = LLM(tp_checkpoint).config
-    if mode == "shard":  # the one scoring forward ran sharded, with these collectives
-        layers, ple = config.num_hidden_layers, len(config.ple_layers)
-        assert stats["tp_hc_shard_forwards"] == [1]
-        assert stats["tp_reduce_scatters"] == [2 * layers]
-        # block inputs (2 a layer), PLE streams and table rows, and the final streams and residual
-        assert stats["tp_all_gathers"] == [2 * layers + 2 * ple + 3]
-    else:
-        assert stats["tp_hc_shard_forwards"] == [0] and stats["tp_reduce_scatters"] == [0]
+    for mode, (logits, ids, stats) in zip(modes, results, strict=True):
+        assert (logits - ref_logits).abs().max().item() <= 1e-4, mode
+        assert ids == ref_ids, mode
+        if mode == "shard":  # the one scoring forward ran sharded, with these collectives
+            layers, ple = config.num_hidden_layers, len(config.ple_layers)
+            assert stats["tp_hc_shard_forwards"] == [1]
+            assert stats["tp_reduce_scatters"] == [2 * layers]
+            # block inputs (2 a layer), PLE streams and table rows, and the final streams and residual
+            assert stats["tp_all_gathers"] == [2 * layers + 2 * ple + 3]
+        else:
+            assert stats["tp_hc_shard_forwards"] == [0] and stats["tp_reduce_scatters"] == [0], mode
 
 
 def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint):
@@ -134,12 +144,14 @@ def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint):
     assert stats["tp_hc_shard_forwards"] == [0]
 
 
-@pytest.mark.parametrize("coalesce", [False, True], ids=["align", "coalesce"])
-def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint, coalesce):
-    ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce))
-    got = run_tp(tp_checkpoint, 2, 0, max_prefill_length=128, prefill_coalesce=coalesce)
-    assert tuple(got) == tuple(ref)
-    assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
+def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint):
+    """With checkpoints aligned to forwards and coalesced into them (one set of rank processes runs both)."""
+    got = run_tp_variants(tp_checkpoint, 2, 0, [dict(max_prefill_length=128, prefill_coalesce=coalesce)
+                                                for coalesce in (False, True)])
+    for coalesce, run in zip((False, True), got, strict=True):
+        ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce))
+        assert tuple(run) == tuple(ref), coalesce
+        assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
 
 
 def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint):
