@@ -61,7 +61,7 @@ class ExpertStore:
         # issued before it, so uploads that a layer will need go on this stream, ahead of later layers.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._whole_layers = False
-        self._held_indices: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._held_indices: dict[int, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         self.loads = {layer: 0 for layer in self.layers}
         self.bytes = {layer: 0 for layer in self.layers}
         self.layer_streams = {layer: 0 for layer in self.layers}
@@ -144,15 +144,20 @@ class ExpertStore:
             slots.append(slot)
         return slots
 
-    def _cached_indices(self, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per layer, the ids of the experts the cache holds and their slots, as device tensors uploaded in
-        one copy (None for a layer with none cached)."""
+    def _cached(self, layers: list[int]) -> dict[int, list[tuple[int, int]]]:
+        """Per layer, ``(expert, slot)`` of the experts the cache holds, by expert id."""
         held: dict[int, list[tuple[int, int]]] = {layer: [] for layer in layers}
         for (layer, e), slot in self._lru.items():
             if layer in held:
                 held[layer].append((e, slot))
-        pairs = [pair for layer in layers for pair in sorted(held[layer])]
-        flat = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).t().to(self.device)
+        return {layer: sorted(pairs) for layer, pairs in held.items()}
+
+    def _cached_indices(self, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor] | None]:
+        """:meth:`_cached` as device tensors of expert ids and slots, uploaded in one copy (None for a layer
+        with none cached)."""
+        held = self._cached(layers)
+        flat = torch.tensor([pair for layer in layers for pair in held[layer]], dtype=torch.long)
+        flat = flat.reshape(-1, 2).t().to(self.device)
         out: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
         at = 0
         for layer in layers:
@@ -194,15 +199,14 @@ class ExpertStore:
         compute stream, in order with the cache's own writes), the rest from host memory in runs of
         consecutive experts (on the copy stream, after the work that may still read the buffer)."""
         gate_up, down = self._buffers[index]
-        held = self._held_indices if self._held_indices is not None else self._cached_indices([layer])
-        indices = held[layer]
-        if indices is not None:
+        cached = {e for e, _ in self._cached([layer])[layer]}
+        if cached:
             if self._buffer_ready[index] is not None:  # a fill of this buffer still under way on the copy stream
                 torch.cuda.current_stream(self.device).wait_event(self._buffer_ready[index])
-            experts, slots = indices
+            held = self._held_indices if self._held_indices is not None else self._cached_indices([layer])
+            experts, slots = held[layer]
             gate_up.index_copy_(0, experts, self.cache_gate_up.index_select(0, slots))
             down.index_copy_(0, experts, self.cache_down.index_select(0, slots))
-        cached = {e for (lay, e) in self._lru if lay == layer}
         runs = _runs([e for e in range(self.num_experts) if e not in cached])
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
