@@ -7,7 +7,9 @@ only, see ``ForwardBatch.decode_only``) is padded to a captured batch size, and 
 count to a power of two, so that every tensor shape is fixed:
 
 * the per-row inputs (token id, position, slot, fresh) live in one persistent device buffer, filled
-  with one host-to-device copy per step;
+  with one host-to-device copy per step; a token id of -1 reads the slot's entry of :attr:`last_ids`,
+  the token its previous step sampled on the device (a step launched before that one's ids reached
+  the host);
 * page tables live on the device per state slot (:attr:`slot_pages`), updated with the page deltas
   the scheduler sends, and gathered per row inside the graph;
 * everything else a forward needs (KV write rows, n-gram contexts, QSA block keys and the blocks a
@@ -30,6 +32,7 @@ import time
 import torch
 
 from .forward_batch import ForwardBatch, QSABlocks, RowGroup
+from .upload import device_ints
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ class DecodeGraphs:
         self.inputs = torch.zeros(4, max_batch, **long)
         self.host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Per slot, the token its latest graph step sampled: a step launched before that one is finished
+        # carries -1 for it (see ``ModelRunner.launch``) and reads it here.
+        self.last_ids = torch.zeros(states.num_slots, **long)
         self.slot_pages = torch.full((states.num_slots, max_pages), pad_page, dtype=torch.int32, device=device)
         self.wide: set[int] = set()  # slots whose page table outgrew ``max_pages`` (eager forwards only)
         self._pending: dict[tuple[int, int], int] = {}  # (slot, column) -> page, not yet on the device
@@ -91,7 +97,7 @@ class DecodeGraphs:
         """Write the page-table changes noted since the last flush to the device table."""
         if not self._pending:
             return
-        writes = torch.tensor([(s, c, p) for (s, c), p in self._pending.items()], dtype=torch.long).T.to(self.device)
+        writes = device_ints([(s, c, p) for (s, c), p in self._pending.items()], self.device).T
         self.slot_pages[writes[0], writes[1]] = writes[2].to(torch.int32)
         self._pending.clear()
 
@@ -167,7 +173,8 @@ class DecodeGraphs:
     def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
         """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer
         on the device (``build_forward_batch`` for this case, with no host values)."""
-        ids, positions, slots = self.inputs[0, :b], self.inputs[1, :b], self.inputs[2, :b]
+        positions, slots = self.inputs[1, :b], self.inputs[2, :b]
+        ids = torch.where(self.inputs[0, :b] < 0, self.last_ids[slots], self.inputs[0, :b])
         fresh = self.inputs[3, :b].bool()
         ps = self.page_size
         page_table = self.slot_pages[slots]  # [b, max_pages] int32

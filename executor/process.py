@@ -16,10 +16,10 @@ from ..args import ServerArgs
 from ..config import ModelConfig
 from ..faults import check, fault
 from ..ipc import Pull, Push
-from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready
+from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready, Shutdown
 from ..sizing import pool_sizes
 from .distributed import init_tp
-from .runner import build_runner
+from .runner import Launched, build_runner
 
 logger = logging.getLogger(__name__)
 
@@ -76,35 +76,96 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         "device": str(runner.device), "dtype": str(next(runner.model.parameters()).dtype).replace("torch.", ""),
         "kv_bytes_per_token": runner.kv.bytes_per_token(), "state_bytes_per_slot": runner.states.bytes_per_slot()}))
     logger.info("rank %d ready on %s", rank, runner.device)
-    for msg in inbound.until_shutdown():
-        assert isinstance(msg, Batch)
+    BatchLoop(args, rank, runner, inbound, results, control).run()
+
+
+class BatchLoop:
+    """Runs the batches that arrive, in order, and answers each (rank 0; any rank answers an error).
+
+    A decode step whose ids are still on their way from the device (``Launched`` pending) is answered
+    once they arrive or, when the scheduler's next batch (sent ahead) arrives first and can follow it
+    (``ModelRunner.can_follow``), right after that batch is launched: the device then has the next step
+    queued while this one's ids go back and the scheduler answers, and stands idle between steps only
+    when the host falls behind it.
+    """
+
+    def __init__(self, args: ServerArgs, rank: int, runner, inbound: Pull, results: Push, control: Push):
+        self.args, self.rank, self.runner = args, rank, runner
+        self.inbound, self.results, self.control = inbound, results, control
+
+    def run(self) -> None:
+        pending: tuple[Batch, Launched] | None = None  # launched, not yet answered
+        while True:
+            msg = self.inbound.recv(timeout_ms=None if pending is None else 0)
+            if msg is None:
+                if pending is not None and pending[1].ready():
+                    self._answer(*pending)
+                    pending = None
+                continue
+            if isinstance(msg, Shutdown):
+                if pending is not None:
+                    self._answer(*pending)
+                return
+            assert isinstance(msg, Batch)
+            if pending is not None and not self._can_follow(msg):
+                self._answer(*pending)
+                pending = None
+            launched = self._launch(msg)
+            if pending is not None:  # the batch before is answered first
+                self._answer(*pending)
+                pending = None
+            if isinstance(launched, BatchResult):
+                self._send(launched)
+            elif launched.finished:
+                self._answer(msg, launched)
+            else:
+                pending = (msg, launched)
+
+    def _can_follow(self, batch: Batch) -> bool:
+        try:
+            return self.runner.can_follow(batch)
+        except Exception:  # a malformed batch: it fails alone when launched, after the one before is answered
+            return False
+
+    def _launch(self, batch: Batch) -> Launched | BatchResult:
         try:
             check("executor.error")
-            check(f"executor{rank}.error")
+            check(f"executor{self.rank}.error")
             check("executor.hang")
             if fault("executor.fatal"):
                 raise DeviceLost("injected fault at executor.fatal")
-            out = runner.execute(msg)
-            result = BatchResult(batch_id=msg.batch_id, token_ids=out.token_ids, logprobs=out.logprobs,
-                                 prompt_logprobs=out.prompt_logprobs,
-                                 executor_stats=runner.stats())
+            return self.runner.launch(batch)
         except Exception as e:  # a failed batch fails its requests, not the process
-            logger.error("batch %d failed:\n%s", msg.batch_id, traceback.format_exc())
-            where = f"rank {rank}: " if args.tp > 1 else ""
-            error = f"{where}{type(e).__name__}: {e}"
-            if args.tp > 1 or isinstance(e, DeviceLost) or not device_usable(runner.device):
-                # A sticky device error fails every later batch too, and under tensor parallelism
-                # the other ranks are left inside this batch's collectives: say so and leave, so
-                # the launcher restarts the mesh or exits instead of serving errors (or hanging)
-                # behind a healthy /health.
-                failed = ExecutorFailed(rank=rank, error=error)
-                results.send(failed)
-                control.send(failed)
-                logger.error("rank %d: %s; exiting", rank, "the ranks are out of step" if args.tp > 1 and not
-                             isinstance(e, DeviceLost) else "the device is unusable")
-                results.close(linger_ms=2000)
-                control.close(linger_ms=2000)
-                raise SystemExit(1) from e
-            result = BatchResult(batch_id=msg.batch_id, token_ids=[-1] * len(msg.segments), error=error)
-        if rank == 0 or result.error is not None:  # any rank's error fails the batch, with its message
-            results.send(result)
+            return self._failed(batch, e)
+
+    def _answer(self, batch: Batch, launched: Launched) -> None:
+        try:
+            out = self.runner.finish(launched)
+            result = BatchResult(batch_id=batch.batch_id, token_ids=out.token_ids, logprobs=out.logprobs,
+                                 prompt_logprobs=out.prompt_logprobs, executor_stats=self.runner.stats())
+        except Exception as e:
+            result = self._failed(batch, e)
+        self._send(result)
+
+    def _send(self, result: BatchResult) -> None:
+        if self.rank == 0 or result.error is not None:  # any rank's error fails the batch, with its message
+            self.results.send(result)
+
+    def _failed(self, batch: Batch, e: Exception) -> BatchResult:
+        logger.error("batch %d failed:\n%s", batch.batch_id, traceback.format_exc())
+        where = f"rank {self.rank}: " if self.args.tp > 1 else ""
+        error = f"{where}{type(e).__name__}: {e}"
+        if self.args.tp > 1 or isinstance(e, DeviceLost) or not device_usable(self.runner.device):
+            # A sticky device error fails every later batch too, and under tensor parallelism
+            # the other ranks are left inside this batch's collectives: say so and leave, so
+            # the launcher restarts the mesh or exits instead of serving errors (or hanging)
+            # behind a healthy /health.
+            failed = ExecutorFailed(rank=self.rank, error=error)
+            self.results.send(failed)
+            self.control.send(failed)
+            logger.error("rank %d: %s; exiting", self.rank, "the ranks are out of step" if self.args.tp > 1 and not
+                         isinstance(e, DeviceLost) else "the device is unusable")
+            self.results.close(linger_ms=2000)
+            self.control.close(linger_ms=2000)
+            raise SystemExit(1) from e
+        return BatchResult(batch_id=batch.batch_id, token_ids=[-1] * len(batch.segments), error=error)

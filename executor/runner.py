@@ -52,6 +52,22 @@ class RunnerOutput:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
 
 
+@dataclass
+class Launched:
+    """A batch as :meth:`ModelRunner.launch` left it: its output, or (a decode step sampled on the device)
+    the output less its token ids, which a non-blocking copy brings to ``ids`` (pinned host memory) by
+    the time ``done`` fires. :meth:`ModelRunner.finish` completes it."""
+    out: RunnerOutput
+    ids: torch.Tensor | None = None
+    done: torch.cuda.Event | None = None
+    slots: list[int] = field(default_factory=list)  # the slot of each id, in segment order
+    finished: bool = False
+
+    def ready(self) -> bool:
+        """Whether :meth:`ModelRunner.finish` would return without waiting for the device."""
+        return self.finished or self.done is None or self.done.query()
+
+
 class ModelRunner:
     def __init__(self, model: Qwen4ExpForCausalLM, config: ModelConfig, kv: KVPool, states: StatePool,
                  device: torch.device | str, seed: int = 0, expert_store: ExpertStore | None = None,
@@ -66,6 +82,7 @@ class ModelRunner:
         self.hc_shard_forwards = 0
         self.page_tables: dict[int, list[int]] = {}  # slot -> the request's page table
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
+        self.unfinished: dict[int, Launched] = {}  # slot -> the launched batch that samples it, not yet finished
         self.graphs: DecodeGraphs | None = None
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
 
@@ -89,14 +106,55 @@ class ModelRunner:
             out["cuda_graph_replays"] = [self.graphs.steps]
         return out
 
-    @torch.inference_mode()
     def execute(self, batch: Batch) -> RunnerOutput:
+        return self.finish(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> Launched:
+        """Run ``batch`` as far as it goes without waiting for the device: a decode step from a CUDA graph
+        with plain sampling (:meth:`can_follow`) comes back pending, its ids still on the way; any other
+        batch comes back finished. A decode sent ahead (token ``-1``) of a slot that a pending batch samples
+        takes that token on the device; a batch that cannot (or that samples on the host) finishes the
+        pending batches of its slots first."""
+        waits = {id(w): w for s in batch.segments if (w := self.unfinished.get(s.slot)) is not None}
+        if waits and not self.can_follow(batch):
+            for launched in waits.values():
+                self.finish(launched)
         if batch.mode == "layer_major" and self.expert_store is not None:
             with self.expert_store.hold():
                 return self._execute(batch)
         return self._execute(batch)
 
-    def _execute(self, batch: Batch) -> RunnerOutput:
+    def can_follow(self, batch: Batch) -> bool:
+        """Whether ``batch`` may be launched before the batches launched ahead of it finish: a decode step
+        that runs from a graph, whose every row samples plainly (no grammar, penalties, log-probabilities or
+        scripted outputs, one rank), so that nothing it reads waits on the host's copy of their ids."""
+        if not self._graph_batch(batch) or tp().size > 1 or not all(map(self._plain, batch.segments)):
+            return False
+        for spec in batch.segments:
+            self._table(spec)
+        return self.graphs.fits([s.slot for s in batch.segments], [s.start for s in batch.segments])
+
+    @staticmethod
+    def _plain(spec: SegmentSpec) -> bool:
+        p = spec.sampling
+        return (p is None or (not p.needs_history and p.logprobs < 0)) and scripted_output(spec.sample_index) is None
+
+    def finish(self, launched: Launched) -> RunnerOutput:
+        """The output of a launched batch, its sampled ids read back (waiting for the device if need be)."""
+        if launched.finished:
+            return launched.out
+        launched.finished = True
+        if launched.done is not None:
+            launched.done.synchronize()
+        for i, (slot, tok) in enumerate(zip(launched.slots, launched.ids.tolist(), strict=True)):
+            launched.out.token_ids[i] = tok
+            self.last_sampled[slot] = tok
+            if self.unfinished.get(slot) is launched:
+                del self.unfinished[slot]
+        return launched.out
+
+    def _execute(self, batch: Batch) -> Launched:
         # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         specs = batch.segments
@@ -104,15 +162,17 @@ class ModelRunner:
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
                 if len(spec.token_ids) != 1:
                     raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
+                if spec.slot in self.unfinished:  # still on the device: the graph step reads it there
+                    continue
                 # None sampled there (the batch before failed): the scheduler ends the request with that
                 # batch and drops this row's result, so any token does; the batch's other rows go on.
                 spec.token_ids = [self.last_sampled.get(spec.slot, 0)]
             if spec.sample:  # what this batch samples replaces what the slot sampled before, or nothing
                 self.last_sampled.pop(spec.slot, None)
         if self._graph_batch(batch):
-            out = self._execute_graph(specs)
-            if out is not None:
-                return out
+            launched = self._execute_graph(specs)
+            if launched is not None:
+                return launched
         # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
         # of the j-th segment as the forward lays it out.
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
@@ -136,7 +196,10 @@ class ModelRunner:
                             fb.num_tokens, fb.num_tokens // group.size, issued.get("all_gather", 0),
                             issued.get("reduce_scatter", 0))
         self._finish_states(fb)
+        return Launched(self._logits_and_sample(batch, specs, order, fb, streams, pending, shift), finished=True)
 
+    def _logits_and_sample(self, batch: Batch, specs: list[SegmentSpec], order: list[int], fb: ForwardBatch,
+                           streams: torch.Tensor, pending, shift: int) -> RunnerOutput:
         # Rows that need logits: every row of a scoring segment, the last row of a sampling one.
         rows: list[int] = []
         spans: dict[int, tuple[int, int]] = {}
@@ -169,8 +232,11 @@ class ModelRunner:
         return (self.graphs is not None and batch.mode != "layer_major"
                 and all(is_decode(s) and not s.want_logits and not s.prompt_targets for s in batch.segments))
 
-    def _execute_graph(self, specs: list[SegmentSpec]) -> RunnerOutput | None:
-        """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly)."""
+    def _execute_graph(self, specs: list[SegmentSpec]) -> Launched | None:
+        """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly). With plain
+        sampling it comes back pending: sampled on the device, each id left in the slot's entry of
+        ``graphs.last_ids`` for a step launched before this one is finished, and copied to the host
+        without blocking."""
         for spec in specs:
             self._table(spec)
         positions = [spec.start for spec in specs]
@@ -181,8 +247,23 @@ class ModelRunner:
         ends = [(spec.slot, int(d)) for spec in specs for o, d in spec.exports if int(o) == 1]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
         out = RunnerOutput(token_ids=[-1] * len(specs))
-        self._sample(out, specs, logits, {i: i for i in range(len(specs))})
-        return out
+        if tp().size > 1 or not all(map(self._plain, specs)):
+            self._sample(out, specs, logits, {i: i for i in range(len(specs))})
+            return Launched(out, finished=True)
+        ids = self.sampler.sample(logits, [spec.sampling or GREEDY for spec in specs],
+                                  [spec.sample_index for spec in specs])
+        self.graphs.last_ids[self.graphs.inputs[2, :len(specs)]] = ids
+        cuda = self.device.type == "cuda"
+        host = torch.empty(len(specs), dtype=torch.long, pin_memory=cuda)
+        host.copy_(ids, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        launched = Launched(out, ids=host, done=done, slots=slots)
+        for slot in slots:
+            self.unfinished[slot] = launched
+        return launched
 
     def _sample(self, out: RunnerOutput, specs: list[SegmentSpec], logits: torch.Tensor,
                 row_of: dict[int, int]) -> None:

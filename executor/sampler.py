@@ -3,9 +3,11 @@ temperature, top-k, top-p, per-request seed."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..messages import SamplingParams, SegmentSpec
+from .upload import device_ints
 
 
 def _signed(value: int) -> int:
@@ -120,10 +122,10 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], indices: l
         rows = rows - value[:, 1:2] * count - value[:, 2:3] * (count > 0).to(rows.dtype)
         logits[index] = rows
     for r in bias:
-        ids = torch.tensor(list(params[r].logit_bias), device=logits.device)
-        logits[r, ids] += torch.tensor(list(params[r].logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        ids = device_ints(list(params[r].logit_bias), logits.device)
+        logits[r, ids] += device_ints(list(params[r].logit_bias.values()), logits.device, np.float32).to(logits.dtype)
     for r in ban:
-        logits[r, torch.tensor(params[r].min_tokens_ban, device=logits.device)] = float("-inf")
+        logits[r, device_ints(params[r].min_tokens_ban, logits.device)] = float("-inf")
     return logits
 
 
@@ -136,8 +138,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                  counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> list[int]:
         """One token per row of ``logits [N, V]`` (fp32); ``counts`` per row from :class:`TokenCounts`."""
-        if not params:
-            return []
+        return self.sample(logits, params, indices, counts).tolist() if params else []
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+               counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
+        """:meth:`__call__`'s ids as a device tensor ``[N]``, with no device sync on the way (parameters
+        go up as non-blocking copies): a decode step can be sampled before the one before it is done."""
         logits = adjust_logits(logits, params, indices, counts)
         out = torch.argmax(logits, dim=-1)
         rows = [r for r, p in enumerate(params) if not p.greedy]
@@ -146,19 +152,20 @@ class Sampler:
             device = logits.device
             picked = [params[r] for r in rows]
             vocab = logits.shape[-1]
-            temperature = torch.tensor([p.temperature for p in picked], dtype=logits.dtype, device=device)
-            filtered = logits[torch.tensor(rows, device=device)]
+            index = device_ints(rows, device)
+            temperature = device_ints([p.temperature for p in picked], device, np.float32)
+            filtered = logits[index]
             if any(0 < p.top_k < vocab or p.top_p < 1 for p in picked):
-                filtered = filter_logits(filtered, temperature, torch.tensor([p.top_k for p in picked], device=device),
-                                         torch.tensor([p.top_p for p in picked], dtype=logits.dtype, device=device))
+                filtered = filter_logits(filtered, temperature, device_ints([p.top_k for p in picked], device),
+                                         device_ints([p.top_p for p in picked], device, np.float32))
             else:
                 filtered = filtered / temperature[:, None]
             uniform = torch.rand(filtered.shape, generator=self.generator, device=device)
             seeded = [j for j, p in enumerate(picked) if p.seed is not None]
             if seeded:
-                seeds = torch.tensor([picked[j].seed for j in seeded], dtype=torch.int64, device=device)
-                index = torch.tensor([indices[rows[j]] for j in seeded], dtype=torch.int64, device=device)
-                uniform[torch.tensor(seeded, device=device)] = seeded_uniform(seeds, index, filtered.shape[-1])
+                seeds = device_ints([picked[j].seed for j in seeded], device)
+                steps = device_ints([indices[rows[j]] for j in seeded], device)
+                uniform[device_ints(seeded, device)] = seeded_uniform(seeds, steps, filtered.shape[-1])
             gumbel = -torch.log(-torch.log(uniform.clamp_(1e-20, 1.0 - 1e-7)))
-            out[torch.tensor(rows, device=device)] = torch.argmax(filtered + gumbel, dim=-1)
-        return out.tolist()
+            out[index] = torch.argmax(filtered + gumbel, dim=-1)
+        return out

@@ -1,4 +1,4 @@
-"""Host integers to the device without a device sync: one pinned buffer, one non-blocking copy."""
+"""Host numbers to the device without a device sync: one pinned buffer, one non-blocking copy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class Ref(int):
 
 
 class Upload:
-    """Host-side integer arrays (a forward's metadata), sent to the device in one copy.
+    """Host-side arrays (a forward's metadata, sampling parameters), sent to the device in one copy.
 
     ``add`` takes an array and returns its :class:`Ref`; ``send`` packs them into one pinned buffer, each at a
     16-byte aligned offset (as a separate allocation would be: Triton specialises its kernels on
@@ -43,11 +43,13 @@ class Upload:
                 for a, off in zip(self._arrays, offsets, strict=True)]
 
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.long, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool}
+_TORCH_DTYPES = {np.dtype(np.int64): torch.long, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,
+                 np.dtype(np.float32): torch.float32}
 
 
 def device_ints(values, device: torch.device | str, dtype=np.int64) -> torch.Tensor:
-    """``values`` as a device tensor, copied without a device sync (see :class:`Upload`)."""
+    """``values`` as a device tensor, copied without a device sync (see :class:`Upload`); ``dtype``
+    ``np.float32`` for floats."""
     up = Upload()
     up.add(values, dtype)
     return up.send(torch.device(device))[0]

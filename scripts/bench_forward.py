@@ -12,6 +12,9 @@ The preset's config.json is written to a temporary directory and loaded with ``-
 Prefill and decode drive ``llm.runner.execute(Batch)`` directly (no scheduler), one cold prefill of L
 random ids per forward, timed on the host with a device synchronisation on each side; decode steps replay
 CUDA graphs (``--decode-graphs on``) or run eagerly (``off``), one arm after the other on the same model.
+With graphs, a second arm ("pipelined") runs the steps as the server's executor does when the scheduler
+sends each decode ahead: every step launched (token -1) before the one before it is finished, timed
+back to back.
 Every number goes to ``DIR/bench_forward.json``, rewritten after each section (a run cut short keeps what it measured;
 ``--merge`` keeps the sections of an earlier file of the same preset, dtype and device that this run
 skips, so the sections can run as separate commands). Peak matmul throughput (a square GEMM of
@@ -288,7 +291,7 @@ def random_ids(n: int, seed: int) -> list[int]:
 
 def build_llm(ckpt: str, ns: argparse.Namespace, lengths: list[int], batches: list[int]) -> LLM:
     page = 16
-    per_request = -(-(ns.decode_context + DECODE_WARMUP + ns.decode_steps + 1) // page) * page
+    per_request = -(-(ns.decode_context + 2 * (DECODE_WARMUP + ns.decode_steps) + 1) // page) * page
     max_len = max([*lengths, per_request, 2])
     kv_tokens = max(max_len, max(batches) * per_request) + page
     return LLM(ckpt, device=ns.device, dtype=ns.dtype, load_format="random", max_prefill_length=max(lengths),
@@ -319,7 +322,7 @@ def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.de
 def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, steps: int, device: torch.device,
                  bandwidth: float, elem: int, graphs: bool) -> list[dict[str, Any]]:
     page = llm.sizes.page_size
-    per_request = -(-(context + DECODE_WARMUP + steps + 1) // page)
+    per_request = -(-(context + 2 * (DECODE_WARMUP + steps) + 1) // page)
     rows = []
     for size in batches:
         pages = [list(range(i * per_request, (i + 1) * per_request)) for i in range(size)]
@@ -329,36 +332,54 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
                                pages=pages[i], sample=True)
             last.append(llm.runner.execute(Batch(batch_id=0, segments=[spec])).token_ids[0])
         pos = context
+
+        def step_batch(step: int, tokens: list[int], pos=pos, pages=pages, size=size) -> Batch:
+            return Batch(batch_id=step, segments=[
+                SegmentSpec(rid=f"decode-{i}", slot=i, start=pos + step, token_ids=[tokens[i]], pages=pages[i],
+                            sample=True, sample_index=step + 1)  # output 0 came from the prompt: these decode
+                for i in range(size)])                            # generated tokens
+
         times = []
         replays = llm.runner.graphs.steps if llm.runner.graphs is not None else 0
         for step in range(DECODE_WARMUP + steps):
-            batch = Batch(batch_id=step, segments=[
-                SegmentSpec(rid=f"decode-{i}", slot=i, start=pos, token_ids=[last[i]], pages=pages[i], sample=True,
-                            sample_index=step + 1)  # output 0 came from the prompt: these decode generated tokens
-                for i in range(size)])
+            batch = step_batch(step, last)
             synchronize(device)
             t0 = time.perf_counter()
             last = llm.runner.execute(batch).token_ids
             synchronize(device)
             if step >= DECODE_WARMUP:
                 times.append(time.perf_counter() - t0)
-            pos += 1
-        sec = statistics.median(times)
+        arms = [("", statistics.median(times), [t * 1e3 for t in times], context + DECODE_WARMUP + (steps - 1) / 2)]
+        if graphs:
+            # As the executor's loop runs a decode sent ahead: each step launched (token -1) before the step
+            # before it is finished; the mean time of a step over the timed steps, back to back.
+            first = DECODE_WARMUP + steps
+            launched = llm.runner.launch(step_batch(first, last))
+            for step in range(first + 1, first + DECODE_WARMUP + steps + 1):
+                if step == first + DECODE_WARMUP + 1:
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                ahead = llm.runner.launch(step_batch(step, [-1] * size))
+                llm.runner.finish(launched)
+                launched = ahead
+            last = llm.runner.finish(launched).token_ids
+            sec = (time.perf_counter() - t0) / steps
+            arms.append((" pipelined", sec, [], first + context + DECODE_WARMUP + 1 + (steps - 1) / 2))
         # Steps the fixed-shape (graph) path ran: every one when graphs are on; fewer means steps that the
         # runner did not take for decodes of generated tokens ran eagerly, and the arm measured those.
         replays = (llm.runner.graphs.steps if llm.runner.graphs is not None else 0) - replays
-        if graphs and replays != DECODE_WARMUP + steps:
-            print(f"decode graphs on batch {size}: only {replays} of {DECODE_WARMUP + steps} steps ran from the "
-                  f"graph path", flush=True)
-        mean_context = context + DECODE_WARMUP + (steps - 1) / 2
-        terms = decode_bytes(c, size, mean_context, elem)
-        floor = sum(terms.values()) / bandwidth
-        rows.append({"cuda_graph": graphs, "graph_steps": replays, "batch": size, "context": mean_context,
-                     "step_ms": sec * 1e3,
-                     "steps_ms": [t * 1e3 for t in times], "tok_s": size / sec, "floor_bytes": sum(terms.values()),
-                     "floor_bytes_terms": terms, "floor_ms": floor * 1e3, "floor_fraction": floor / sec})
-        print(f"decode graphs {'on' if graphs else 'off'} batch {size}: {sec * 1e3:.2f} ms/step, "
-              f"{size / sec:.1f} tok/s, floor {floor * 1e3:.3f} ms ({floor / sec:.3f})", flush=True)
+        want = (DECODE_WARMUP + steps) * len(arms) + (len(arms) - 1)
+        if graphs and replays != want:
+            print(f"decode graphs on batch {size}: only {replays} of {want} steps ran from the graph path", flush=True)
+        for arm, sec, steps_ms, mean_context in arms:
+            terms = decode_bytes(c, size, mean_context, elem)
+            floor = sum(terms.values()) / bandwidth
+            rows.append({"cuda_graph": graphs, "pipelined": bool(arm), "graph_steps": replays, "batch": size,
+                         "context": mean_context, "step_ms": sec * 1e3, "steps_ms": steps_ms, "tok_s": size / sec,
+                         "floor_bytes": sum(terms.values()), "floor_bytes_terms": terms, "floor_ms": floor * 1e3,
+                         "floor_fraction": floor / sec})
+            print(f"decode graphs {'on' if graphs else 'off'}{arm} batch {size}: {sec * 1e3:.2f} ms/step, "
+                  f"{size / sec:.1f} tok/s, floor {floor * 1e3:.3f} ms ({floor / sec:.3f})", flush=True)
     return rows
 
 

@@ -148,7 +148,8 @@ def test_profile_decode_runs_on_cpu(tmp_path):
 
 def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monkeypatch):
     """The benchmark's decode steps are decodes of generated tokens, so the runner's fixed-shape path
-    (what a GPU replays as CUDA graphs; eager here) takes every one of them."""
+    (what a GPU replays as CUDA graphs; eager here) takes every one of them, in both arms: steps one by
+    one, and steps launched ahead of the one before (token -1)."""
     import importlib.util
 
     import torch
@@ -164,5 +165,7 @@ def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monke
     llm.runner.use_graphs(2, 64, capture=False)
     rows = bench.bench_decode(llm, ModelConfig.from_file(tiny_checkpoint), [1, 2], 20, 2, torch.device("cpu"),
                               bandwidth=1e9, elem=4, graphs=True)
-    assert [r["graph_steps"] for r in rows] == [bench.DECODE_WARMUP + 2] * 2
-    assert llm.runner.graphs.steps == 2 * (bench.DECODE_WARMUP + 2)
+    per_batch = 2 * (bench.DECODE_WARMUP + 2) + 1  # both arms; the pipelined one launches one step first
+    assert [(r["batch"], r["pipelined"], r["graph_steps"]) for r in rows] == \
+        [(1, False, per_batch), (1, True, per_batch), (2, False, per_batch), (2, True, per_batch)]
+    assert llm.runner.graphs.steps == 2 * per_batch and not llm.runner.unfinished

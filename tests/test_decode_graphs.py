@@ -167,3 +167,129 @@ def test_only_decode_batches_may_take_the_moe_decode_kernels(tiny_checkpoint, mo
     assert flags == [not any(rows) for rows in forwards]
     assert any(flags) and not all(flags)
     assert any(rows == [True] for rows in forwards)  # the one-token prompt (or the one-token tail) alone
+
+
+def _decode_steps(runner, prompts: list[list[int]], steps: int, sampling=None, ahead: bool = False,
+                  extra: dict[int, list[int]] | None = None) -> list[list[int]]:
+    """Prefill ``prompts`` (slot i, pages 16i..16i+15), then ``steps`` decode steps of all of them, driven
+    as the executor's loop drives the runner. ``ahead``: every step after the first is launched with token
+    -1 (the scheduler's decode sent ahead) before the step before it is finished. ``extra[k]``: a new
+    prompt joins at step k (a batch that cannot follow one still pending). Returns each step's ids."""
+    from tidal.messages import Batch, SegmentSpec
+
+    def spec(i: int, start: int, tokens: list[int], index: int) -> SegmentSpec:
+        return SegmentSpec(rid=f"r{i}", slot=i, start=start, token_ids=tokens, pages=list(range(16 * i, 16 * i + 16)),
+                           sample=True, sample_index=index, sampling=sampling)
+
+    last = [runner.execute(Batch(batch_id=i, segments=[spec(i, 0, p, 0)])).token_ids[0] for i, p in enumerate(prompts)]
+    starts = [len(p) for p in prompts]
+    out, pending, index = [], None, {i: 1 for i in range(len(prompts))}
+    for k in range(steps):
+        segs = [spec(i, starts[i], [-1] if ahead and pending is not None else [last[i]], index[i])
+                for i in range(len(starts))]
+        if extra and k in extra:
+            segs.append(spec(len(starts), 0, extra[k], 0))
+        launched = runner.launch(Batch(batch_id=100 + k, segments=segs))
+        if pending is not None:
+            out.append(runner.finish(pending).token_ids)
+        if not ahead:
+            out.append(runner.finish(launched).token_ids)
+            launched = None
+        pending = launched
+        for i in range(len(starts)):
+            starts[i] += 1
+            index[i] += 1
+        if extra and k in extra:
+            starts.append(len(extra[k]))
+            index[len(starts) - 1] = 1
+        if not ahead:
+            last = out[-1]
+        elif pending is not None and pending.finished:  # it could not be launched ahead: its ids are known
+            out.append(runner.finish(pending).token_ids)
+            last, pending = out[-1], None
+    if pending is not None:
+        out.append(runner.finish(pending).token_ids)
+    return out
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_step_launched_before_the_step_before_is_finished(tiny_checkpoint, sampling):
+    """A decode step sampled on the device comes back pending; the next step, launched before its ids
+    reach the host (token -1), reads them on the device. The ids equal steps run one after the other,
+    also when a prompt joins mid-way (that batch cannot follow a pending step: the runner finishes it
+    first)."""
+    from tidal.messages import SamplingParams
+
+    params = None if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=40, seed=5)
+    prompts, extra = [ids(30, 40), ids(9, 41)], {6: ids(12, 42)}
+    want = _decode_steps(graphed(LLM(tiny_checkpoint)).runner, prompts, 12, params, extra=extra)
+    runner = graphed(LLM(tiny_checkpoint)).runner
+    launches = []  # (a step was pending when this batch was launched, what launch returned)
+    launch = runner.launch
+
+    def spy(batch):
+        before = bool(runner.unfinished)
+        launches.append((before, launch(batch)))
+        return launches[-1][1]
+
+    runner.launch = spy
+    assert _decode_steps(runner, prompts, 12, params, ahead=True, extra=extra) == want
+    # Steps 1-5 and 8-11 went out while the step before was pending; step 6 (with the new prompt, an eager
+    # forward) waited for step 5, and step 7 followed a finished step.
+    assert [k for k, (before, launched) in enumerate(launches[2:]) if before and launched.ids is not None] == \
+        [1, 2, 3, 4, 5, 8, 9, 10, 11]
+    assert launches[2 + 6][0] and launches[2 + 6][1].ids is None
+    assert not runner.unfinished
+
+
+def test_the_executor_loop_answers_in_order_with_steps_launched_ahead(tiny_checkpoint):
+    """The executor's loop over batches as the overlapping scheduler sends them (each decode after the
+    first sent ahead, token -1): each step is launched while the one before is pending, results go out
+    in batch order with the ids of steps run one after the other; a batch that cannot follow (a prompt
+    joins) and a malformed one are answered after the pending step, the malformed one with its error."""
+    from collections import deque
+
+    from tidal.executor.process import BatchLoop
+    from tidal.messages import Batch, SegmentSpec, Shutdown
+
+    prompts = [ids(30, 50), ids(9, 51)]
+    want = _decode_steps(graphed(LLM(tiny_checkpoint)).runner, prompts, 8)
+
+    llm = graphed(LLM(tiny_checkpoint))
+    runner = llm.runner
+
+    def spec(i: int, start: int, tokens: list[int], index: int) -> SegmentSpec:
+        return SegmentSpec(rid=f"r{i}", slot=i, start=start, token_ids=tokens, pages=list(range(16 * i, 16 * i + 16)),
+                           sample=True, sample_index=index)
+
+    first = [runner.execute(Batch(batch_id=i, segments=[spec(i, 0, p, 0)])).token_ids[0] for i, p in enumerate(prompts)]
+    batches = deque()
+    for k in range(8):
+        batches.append(Batch(batch_id=10 + k, segments=[spec(i, len(p) + k, [first[i]] if k == 0 else [-1], k + 1)
+                                                        for i, p in enumerate(prompts)]))
+        if k == 3:
+            batches.append(Batch(batch_id=90, segments=[spec(5, 0, [], 0)]))  # no tokens: fails alone
+    batches.insert(6, Batch(batch_id=91, segments=[spec(6, 0, ids(12, 52), 0)]))  # a prompt between steps
+
+    class Inbound:
+        def recv(self, timeout_ms=None):
+            return batches.popleft() if batches else (None if timeout_ms is not None else Shutdown())
+
+    class Sent(list):
+        def send(self, msg):
+            self.append(msg)
+
+    results, control = Sent(), Sent()
+    order = []
+    launch, finish = runner.launch, runner.finish
+    runner.launch = lambda batch: order.append(("launch", batch.batch_id)) or launch(batch)
+    runner.finish = lambda launched: order.append(("finish", None)) or finish(launched)
+    BatchLoop(llm.args, 0, runner, Inbound(), results, control).run()
+
+    assert [r.batch_id for r in results] == [10, 11, 12, 13, 90, 14, 91, 15, 16, 17]
+    steps = [r.token_ids for r in results if r.batch_id < 90]
+    assert steps == want
+    assert "has no tokens" in results[4].error and results[6].error is None and results[6].token_ids[0] >= 0
+    assert not control and not runner.unfinished
+    # Step 11 went out before step 10's ids were read back.
+    assert order.index(("launch", 11)) < [i for i, o in enumerate(order) if o[0] == "finish"][0]

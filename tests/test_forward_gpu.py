@@ -85,3 +85,26 @@ def test_decode_graph_replays_equal_eager_steps(tiny_checkpoint, dtype):
     assert graphed.generate([longer], max_tokens=20, ignore_eos=True) == eager.generate([longer], max_tokens=20,
                                                                                          ignore_eos=True)
     assert graphed.runner.stats()["cuda_graph_replays"][0] >= 2 * 39 + 19
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_decode_steps_launched_ahead_equal_steps_one_by_one(tiny_checkpoint, sampling):
+    """Graph replays launched before the step before them is finished (token -1, read on the device, as
+    the executor's loop runs decodes sent ahead) give the ids of steps run one after the other; a prompt
+    joining mid-way makes the runner finish the pending step first."""
+    from test_decode_graphs import _decode_steps
+
+    from tidal.messages import SamplingParams
+
+    params = None if sampling == "greedy" else SamplingParams(temperature=0.8, top_k=40, seed=5)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1000, 240000, (n,), generator=gen).tolist() for n in (30, 9)]
+    extra = {6: torch.randint(1000, 240000, (12,), generator=gen).tolist()}
+    runs = []
+    for ahead in (False, True):
+        llm = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16", max_running_requests=3)
+        assert llm.runner.graphs.capture
+        runs.append(_decode_steps(llm.runner, prompts, 12, params, ahead=ahead, extra=extra))
+        assert llm.runner.graphs.steps == 11 and not llm.runner.unfinished
+    assert runs[1] == runs[0]
