@@ -135,6 +135,20 @@ class DecodeGraphs:
             self._step(size, blocks)
         return self.logits[:n]
 
+    def replay_seconds(self, positions: list[int], times: int) -> float:
+        """Seconds a step of this shape takes on the device alone: its graph (captured already) replayed
+        ``times`` times back to back on the inputs of the last step, timed with CUDA events. Each replay
+        runs that step again (it rewrites the same KV rows and moves the rows' states on): a benchmark's
+        measure, for requests that end after it."""
+        graph = self._graphs[self._shape(positions)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(times):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / times
+
     def _fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
         pad = self.max_batch - len(ids)
         if self.copied is not None:

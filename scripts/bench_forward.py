@@ -350,6 +350,7 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
             if step >= DECODE_WARMUP:
                 times.append(time.perf_counter() - t0)
         arms = [("", statistics.median(times), [t * 1e3 for t in times], context + DECODE_WARMUP + (steps - 1) / 2)]
+        replay_ms = None  # the step's graph replayed alone, back to back
         if graphs:
             # As the executor's loop runs a decode sent ahead: each step launched (token -1) before the step
             # before it is finished; the mean time of a step over the timed steps, back to back.
@@ -365,6 +366,12 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
             last = llm.runner.finish(launched).token_ids
             sec = (time.perf_counter() - t0) / steps
             arms.append((" pipelined", sec, [], first + context + DECODE_WARMUP + 1 + (steps - 1) / 2))
+            if llm.runner.graphs.capture:  # the device's own time for the step: the rest of a step is idle
+                alone = llm.runner.graphs.replay_seconds([pos + step] * size, steps)
+                print(f"decode graphs on batch {size}: the graph replayed alone {alone * 1e3:.3f} ms/step; the "
+                      f"device idles {(sec - alone) * 1e3:.3f} ms of a pipelined step, "
+                      f"{(statistics.median(times) - alone) * 1e3:.3f} ms of a step run alone", flush=True)
+                replay_ms = alone * 1e3
         # Steps the fixed-shape (graph) path ran: every one when graphs are on; fewer means steps that the
         # runner did not take for decodes of generated tokens ran eagerly, and the arm measured those.
         replays = (llm.runner.graphs.steps if llm.runner.graphs is not None else 0) - replays
@@ -375,6 +382,7 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
             terms = decode_bytes(c, size, mean_context, elem)
             floor = sum(terms.values()) / bandwidth
             rows.append({"cuda_graph": graphs, "pipelined": bool(arm), "graph_steps": replays, "batch": size,
+                         "graph_replay_ms": replay_ms,
                          "context": mean_context, "step_ms": sec * 1e3, "steps_ms": steps_ms, "tok_s": size / sec,
                          "floor_bytes": sum(terms.values()), "floor_bytes_terms": terms, "floor_ms": floor * 1e3,
                          "floor_fraction": floor / sec})
