@@ -123,17 +123,23 @@ class DecodeGraphs:
         n = len(ids)
         size, blocks = self._shape(positions)
         self.flush_pages()
-        key = (size, blocks)
-        if self.capture and key not in self._graphs:
-            self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
-            self._graphs[key] = self._record(size, blocks)
+        self.ensure(positions)
         self._fill(ids, positions, slots)
         self.steps += 1
         if self.capture:
-            self._graphs[key].replay()
+            self._graphs[size, blocks].replay()
         else:
             self._step(size, blocks)
         return self.logits[:n]
+
+    def ensure(self, positions: list[int]) -> None:
+        """Capture the graph of a step of rows at ``positions`` now, unless it is captured already (a
+        benchmark also calls this for the shapes its timed steps will meet, so that none is captured
+        while it times)."""
+        key = self._shape(positions)
+        if self.capture and key not in self._graphs:
+            self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
+            self._graphs[key] = self._record(*key)
 
     def replay_seconds(self, positions: list[int], times: int) -> float:
         """Seconds a step of this shape takes on the device alone: its graph (captured already) replayed

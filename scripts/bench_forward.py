@@ -341,6 +341,9 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
 
         times = []
         replays = llm.runner.graphs.steps if llm.runner.graphs is not None else 0
+        if graphs:  # the graph of every shape the steps meet (the QSA block count grows with them), first
+            for step in range(2 * (DECODE_WARMUP + steps) + 1):
+                llm.runner.graphs.ensure([pos + step] * size)
         for step in range(DECODE_WARMUP + steps):
             batch = step_batch(step, last)
             synchronize(device)
