@@ -106,17 +106,48 @@ class Mesh:
         names = {f"executor-{r}" for r in range(self.args.tp)}
         return names | {"detokenizer", "scheduler", "frontend"}
 
+    def _command(self, role: str, rank: int | None) -> list[str]:
+        return [sys.executable, "-m", "tidal.roles", role] + ([str(rank)] if rank is not None else [])
+
+    def prestart(self) -> None:
+        """Start this host's executors before the flags are checked: each imports what it runs (torch, the
+        model code: the longest part of a start) while this process checks, then reads its arguments on
+        stdin (:meth:`start` sends them) and only then does anything else; :meth:`cancel` ends them
+        unseen."""
+        env = dict(os.environ, TIDAL_MODEL_PATH=self.model_path, TIDAL_ARGS_ON_STDIN="1")
+        for role, rank in self.roles():
+            if role == "executor":
+                self.procs[f"{role}-{rank}"] = subprocess.Popen(self._command(role, rank), env=env,
+                                                                stdin=subprocess.PIPE)
+
+    def cancel(self) -> None:
+        """End the processes :meth:`prestart` started, before they have done anything but import."""
+        for name, proc in list(self.procs.items()):
+            if proc.stdin is not None and not proc.stdin.closed:
+                proc.terminate()  # its SIGTERM handler exits at once, mid-import too
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+                proc.wait()
+                del self.procs[name]
+
     def start(self, keep: frozenset[str] = frozenset()) -> None:
-        """Start every role of this host except those named in ``keep`` (left running)."""
+        """Start every role of this host except those named in ``keep`` (left running); those started
+        by :meth:`prestart` get their arguments now."""
+        data = self.args.to_json()
         env = dict(os.environ)
-        env["TIDAL_SERVER_ARGS"] = self.args.to_json().decode()
+        env["TIDAL_SERVER_ARGS"] = data.decode()
         env["TIDAL_MODEL_PATH"] = self.model_path
         for role, rank in self.roles():
             name = role if rank is None else f"{role}-{rank}"
             if name in keep:
                 continue
-            cmd = [sys.executable, "-m", "tidal.roles", role] + ([str(rank)] if rank is not None else [])
-            self.procs[name] = subprocess.Popen(cmd, env=env)
+            proc = self.procs.get(name)
+            if proc is not None and proc.stdin is not None and not proc.stdin.closed and proc.poll() is None:
+                with contextlib.suppress(OSError):  # one that died is reported by ``dead``
+                    proc.stdin.write(data)
+                    proc.stdin.close()
+                continue
+            self.procs[name] = subprocess.Popen(self._command(role, rank), env=env)
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
@@ -246,12 +277,16 @@ def serve(args: ServerArgs) -> int:
     except ConfigError as e:
         logger.error("--model %s: %s", model_path, e)
         return 2
+    mesh = Mesh(args, model_path)
+    mesh.prestart()
     try:
         check_fits(args, config, args.resolved_device())
     except ArgsError as e:
+        mesh.cancel()
         logger.error("%s", e)
         return 2
     if args.node_rank == 0 and not port_free(args.host, args.port):
+        mesh.cancel()
         logger.error("--port %d: %s:%d is already in use (pick another port)", args.port, args.host, args.port)
         return 2
     # --run-dir: the socket directory (made if missing, and then removed on exit); default a fresh one.
@@ -262,7 +297,7 @@ def serve(args: ServerArgs) -> int:
     args = wire(args, run_dir)
     ctx = zmq.Context()
     control: Pull = Pull(ctx, args.control_addr, Ready | ExecutorFailed, bind=True)
-    mesh = Mesh(args, model_path)
+    mesh.args = args
     stopping = {"signal": None, "count": 0}
 
     def on_signal(signum, frame):

@@ -1,12 +1,14 @@
 """Entry point of one mesh process: ``python -m tidal.roles ROLE [RANK]``.
 
-The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` and the checkpoint path in
-``TIDAL_MODEL_PATH``; ``tidal serve`` sets both. ``tidal run ROLE`` (``deploy.py``) runs a role
+The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` (or, with ``TIDAL_ARGS_ON_STDIN`` set, on stdin
+once the role's modules are imported: ``tidal serve`` starts its executors so while it checks the flags) and
+the checkpoint path in ``TIDAL_MODEL_PATH``; ``tidal serve`` sets them. ``tidal run ROLE`` (``deploy.py``) runs a role
 through :func:`run` too, with its own supervision around it.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -19,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 ROLES = ("frontend", "scheduler", "executor", "detokenizer")
+MODULES = {"frontend": "tidal.frontend.server", "scheduler": "tidal.scheduler.process",
+           "executor": "tidal.executor.process", "detokenizer": "tidal.detokenizer.process"}
 
 
 def run(role: str, args: ServerArgs, model_path: str, rank: int = 0) -> None:
@@ -49,16 +53,26 @@ def main(argv: list[str]) -> int:
     name = f"executor-{rank}" if role == "executor" else role
     set_process_name(f"tidal-{name}")
     die_with_parent()
-    args = ServerArgs.from_json(os.environ["TIDAL_SERVER_ARGS"].encode())
-    model_path = os.environ["TIDAL_MODEL_PATH"]
-    setup_logging(args.log_level, name)
     # The launcher coordinates shutdown: Ctrl-C in a terminal reaches the whole group, but only
     # the launcher acts on it; SIGTERM (from the launcher) ends a role at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if role not in ROLES:
+        setup_logging("info", name)
         logger.error("unknown role %r", role)
         return 2
+    if os.environ.get("TIDAL_ARGS_ON_STDIN"):
+        # Started while the launcher checks the flags: import what the role runs meanwhile, then wait
+        # for the arguments; an empty stdin means the launcher refused to start (it said why).
+        importlib.import_module(MODULES[role])
+        data = sys.stdin.buffer.read()
+        if not data:
+            return 0
+    else:
+        data = os.environ["TIDAL_SERVER_ARGS"].encode()
+    args = ServerArgs.from_json(data)
+    model_path = os.environ["TIDAL_MODEL_PATH"]
+    setup_logging(args.log_level, name)
     try:
         run(role, args, model_path, rank)
     except Exception:
