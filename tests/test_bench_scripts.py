@@ -169,3 +169,24 @@ def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monke
     assert [(r["batch"], r["pipelined"], r["graph_steps"]) for r in rows] == \
         [(1, False, per_batch), (1, True, per_batch), (2, False, per_batch), (2, True, per_batch)]
     assert llm.runner.graphs.steps == 2 * per_batch and not llm.runner.unfinished
+
+
+def test_bench_decode_gemm_lists_the_weights_a_decode_step_multiplies_by(monkeypatch):
+    """The device-only GEMM bench times each weight as the step runs it: stacked projections as one stack
+    (their parts not again on their own), the rest alone; no experts, embeddings or lm_head."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_decode_gemm", os.path.join(SCRIPTS, "bench_decode_gemm.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    c = preset_config("tiny")
+    shapes = bench.shapes("tiny")
+    names = [name for group in shapes.values() for name in group]
+    gdn = next(shape for shape, group in shapes.items() if group[0].startswith("[linear_attn.in_proj_qkv;"))
+    value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    assert gdn == (2 * key_dim + 2 * value_dim + 2 * c["linear_num_value_heads"], c["hidden_size"])
+    assert "linear_attn.in_proj_z" not in names and "mlp.shared_expert.gate_proj" not in names
+    assert "linear_attn.out_proj" in names and "mlp.gate" in names
+    assert not any("experts." in n or "embed" in n or n == "lm_head" for n in names)
