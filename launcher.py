@@ -120,10 +120,15 @@ class Mesh:
                 self.procs[f"{role}-{rank}"] = subprocess.Popen(self._command(role, rank), env=env,
                                                                 stdin=subprocess.PIPE)
 
+    @staticmethod
+    def _awaits_args(proc: subprocess.Popen) -> bool:
+        """Started by :meth:`prestart` and not yet sent its arguments."""
+        return proc.stdin is not None and not proc.stdin.closed
+
     def cancel(self) -> None:
         """End the processes :meth:`prestart` started, before they have done anything but import."""
         for name, proc in list(self.procs.items()):
-            if proc.stdin is not None and not proc.stdin.closed:
+            if self._awaits_args(proc):
                 proc.terminate()  # its SIGTERM handler exits at once, mid-import too
                 with contextlib.suppress(OSError):
                     proc.stdin.close()
@@ -142,7 +147,7 @@ class Mesh:
             if name in keep:
                 continue
             proc = self.procs.get(name)
-            if proc is not None and proc.stdin is not None and not proc.stdin.closed and proc.poll() is None:
+            if proc is not None and self._awaits_args(proc) and proc.poll() is None:
                 with contextlib.suppress(OSError):  # one that died is reported by ``dead``
                     proc.stdin.write(data)
                     proc.stdin.close()

@@ -20,31 +20,22 @@ from .ipc import die_with_parent, set_process_name, setup_logging
 logger = logging.getLogger(__name__)
 
 
-ROLES = ("frontend", "scheduler", "executor", "detokenizer")
-MODULES = {"frontend": "tidal.frontend.server", "scheduler": "tidal.scheduler.process",
-           "executor": "tidal.executor.process", "detokenizer": "tidal.detokenizer.process"}
+# Each role's module and the function that runs it: ``fn(args, model_path)``, the executor's with its rank.
+ENTRY = {"frontend": ("tidal.frontend.server", "run_frontend"),
+         "scheduler": ("tidal.scheduler.process", "run_scheduler"),
+         "executor": ("tidal.executor.process", "run_executor"),
+         "detokenizer": ("tidal.detokenizer.process", "run_detokenizer")}
+ROLES = tuple(ENTRY)
 
 
 def run(role: str, args: ServerArgs, model_path: str, rank: int = 0) -> None:
     """Run ``role`` in this process until it returns (the frontend never returns on its own)."""
-    if role == "frontend":
-        from .frontend.server import run_frontend
-
-        run_frontend(args, model_path)
-    elif role == "scheduler":
-        from .scheduler.process import run_scheduler
-
-        run_scheduler(args, model_path)
-    elif role == "executor":
-        from .executor.process import run_executor
-
-        run_executor(args, model_path, rank)
-    elif role == "detokenizer":
-        from .detokenizer.process import run_detokenizer
-
-        run_detokenizer(args, model_path)
-    else:
+    if role not in ENTRY:
         raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+    module, name = ENTRY[role]
+    fn = getattr(importlib.import_module(module), name)
+    extra = (rank,) if role == "executor" else ()
+    fn(args, model_path, *extra)
 
 
 def main(argv: list[str]) -> int:
@@ -64,7 +55,7 @@ def main(argv: list[str]) -> int:
     if os.environ.get("TIDAL_ARGS_ON_STDIN"):
         # Started while the launcher checks the flags: import what the role runs meanwhile, then wait
         # for the arguments; an empty stdin means the launcher refused to start (it said why).
-        importlib.import_module(MODULES[role])
+        importlib.import_module(ENTRY[role][0])
         data = sys.stdin.buffer.read()
         if not data:
             return 0

@@ -121,9 +121,8 @@ class DecodeGraphs:
     def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """fp32 logits ``[len(ids), vocab]`` of one decode row per request (rows in the given order)."""
         n = len(ids)
-        size, blocks = self._shape(positions)
         self.flush_pages()
-        self.ensure(positions)
+        size, blocks = self.ensure(positions)
         self._fill(ids, positions, slots)
         self.steps += 1
         if self.capture:
@@ -132,14 +131,15 @@ class DecodeGraphs:
             self._step(size, blocks)
         return self.logits[:n]
 
-    def ensure(self, positions: list[int]) -> None:
-        """Capture the graph of a step of rows at ``positions`` now, unless it is captured already (a
-        benchmark also calls this for the shapes its timed steps will meet, so that none is captured
-        while it times)."""
+    def ensure(self, positions: list[int]) -> tuple[int, int]:
+        """The shape ``(rows, QSA blocks)`` of a step of rows at ``positions``, its graph captured now unless
+        it is already (a benchmark also calls this for the shapes its timed steps will meet, so that none
+        is captured while it times)."""
         key = self._shape(positions)
         if self.capture and key not in self._graphs:
             self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
             self._graphs[key] = self._record(*key)
+        return key
 
     def replay_seconds(self, positions: list[int], times: int) -> float:
         """Seconds a step of this shape takes on the device alone: its graph (captured already) replayed

@@ -129,16 +129,21 @@ class ModelRunner:
         """Whether ``batch`` may be launched before the batches launched ahead of it finish: a decode step
         that runs from a graph, whose every row samples plainly (no grammar, penalties, log-probabilities or
         scripted outputs, one rank), so that nothing it reads waits on the host's copy of their ids."""
-        if not self._graph_batch(batch) or tp().size > 1 or not all(map(self._plain, batch.segments)):
+        if not self._graph_batch(batch) or not self._samples_on_device(batch.segments):
             return False
         for spec in batch.segments:
             self._table(spec)
         return self.graphs.fits([s.slot for s in batch.segments], [s.start for s in batch.segments])
 
     @staticmethod
-    def _plain(spec: SegmentSpec) -> bool:
-        p = spec.sampling
-        return (p is None or (not p.needs_history and p.logprobs < 0)) and scripted_output(spec.sample_index) is None
+    def _samples_on_device(specs: list[SegmentSpec]) -> bool:
+        """Every row samples plainly (nothing the host must see first or follow after), on one rank."""
+        def plain(spec: SegmentSpec) -> bool:
+            p = spec.sampling
+            return ((p is None or (not p.needs_history and p.logprobs < 0))
+                    and scripted_output(spec.sample_index) is None)
+
+        return tp().size == 1 and all(map(plain, specs))
 
     def finish(self, launched: Launched) -> RunnerOutput:
         """The output of a launched batch, its sampled ids read back (waiting for the device if need be)."""
@@ -247,7 +252,7 @@ class ModelRunner:
         ends = [(spec.slot, int(d)) for spec in specs for o, d in spec.exports if int(o) == 1]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
         out = RunnerOutput(token_ids=[-1] * len(specs))
-        if tp().size > 1 or not all(map(self._plain, specs)):
+        if not self._samples_on_device(specs):
             self._sample(out, specs, logits, {i: i for i in range(len(specs))})
             return Launched(out, finished=True)
         ids = self.sampler.sample(logits, [spec.sampling or GREEDY for spec in specs],

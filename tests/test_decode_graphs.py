@@ -169,17 +169,24 @@ def test_only_decode_batches_may_take_the_moe_decode_kernels(tiny_checkpoint, mo
     assert any(rows == [True] for rows in forwards)  # the one-token prompt (or the one-token tail) alone
 
 
+def _step_spec(i: int, start: int, tokens: list[int], index: int, sampling=None):
+    """Request ``r{i}`` in slot ``i`` with pages 16i..16i+15, sampling output ``index``."""
+    from tidal.messages import SegmentSpec
+
+    return SegmentSpec(rid=f"r{i}", slot=i, start=start, token_ids=tokens, pages=list(range(16 * i, 16 * i + 16)),
+                       sample=True, sample_index=index, sampling=sampling)
+
+
 def _decode_steps(runner, prompts: list[list[int]], steps: int, sampling=None, ahead: bool = False,
                   extra: dict[int, list[int]] | None = None) -> list[list[int]]:
     """Prefill ``prompts`` (slot i, pages 16i..16i+15), then ``steps`` decode steps of all of them, driven
     as the executor's loop drives the runner. ``ahead``: every step after the first is launched with token
     -1 (the scheduler's decode sent ahead) before the step before it is finished. ``extra[k]``: a new
     prompt joins at step k (a batch that cannot follow one still pending). Returns each step's ids."""
-    from tidal.messages import Batch, SegmentSpec
+    from tidal.messages import Batch
 
-    def spec(i: int, start: int, tokens: list[int], index: int) -> SegmentSpec:
-        return SegmentSpec(rid=f"r{i}", slot=i, start=start, token_ids=tokens, pages=list(range(16 * i, 16 * i + 16)),
-                           sample=True, sample_index=index, sampling=sampling)
+    def spec(i: int, start: int, tokens: list[int], index: int):
+        return _step_spec(i, start, tokens, index, sampling)
 
     last = [runner.execute(Batch(batch_id=i, segments=[spec(i, 0, p, 0)])).token_ids[0] for i, p in enumerate(prompts)]
     starts = [len(p) for p in prompts]
@@ -250,7 +257,7 @@ def test_the_executor_loop_answers_in_order_with_steps_launched_ahead(tiny_check
     from collections import deque
 
     from tidal.executor.process import BatchLoop
-    from tidal.messages import Batch, SegmentSpec, Shutdown
+    from tidal.messages import Batch, Shutdown
 
     prompts = [ids(30, 50), ids(9, 51)]
     want = _decode_steps(graphed(LLM(tiny_checkpoint)).runner, prompts, 8)
@@ -258,10 +265,7 @@ def test_the_executor_loop_answers_in_order_with_steps_launched_ahead(tiny_check
     llm = graphed(LLM(tiny_checkpoint))
     runner = llm.runner
 
-    def spec(i: int, start: int, tokens: list[int], index: int) -> SegmentSpec:
-        return SegmentSpec(rid=f"r{i}", slot=i, start=start, token_ids=tokens, pages=list(range(16 * i, 16 * i + 16)),
-                           sample=True, sample_index=index)
-
+    spec = _step_spec
     first = [runner.execute(Batch(batch_id=i, segments=[spec(i, 0, p, 0)])).token_ids[0] for i, p in enumerate(prompts)]
     batches = deque()
     for k in range(8):
