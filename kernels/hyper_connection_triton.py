@@ -155,3 +155,64 @@ def hc_gate_act_triton(down_out: torch.Tensor, hc: int) -> torch.Tensor:
         _hc_gate_act_kernel[(triton.cdiv(rows, block_r),)](x, out, rows, width, x.stride(0), out.stride(0), float(hc),
                                                           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out
+
+
+@triton.jit
+def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d, stride_w, stride_n, stride_o,
+                        ROWS: tl.constexpr, HC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """``BLOCK_H`` block-input features of every row: the gate activation of the row's ``down`` output,
+    the ``up`` projection's ``HC`` weight rows of those features (one per stream), and the gated mean."""
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    hmask = h < hidden
+    rmask = r < lowrank
+    dt = out_ptr.dtype.element_ty
+    for m in tl.static_range(ROWS):
+        # silu(down / hc), rounded after the division and the activation like the reference.
+        a = (tl.load(d_ptr + m * stride_d + r, mask=rmask, other=0.0).to(tl.float32) / HC).to(dt).to(tl.float32)
+        a = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(HC):
+            feat = s * hidden + h
+            w = tl.load(w_ptr + feat.to(tl.int64)[:, None] * stride_w + r[None, :],
+                        mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+            up = tl.sum(w * a[None, :], axis=1).to(dt).to(tl.float32)
+            gate = tl.sigmoid(up).to(dt).to(tl.float32)
+            n = tl.load(n_ptr + m * stride_n + feat, mask=hmask, other=0.0).to(tl.float32)
+            acc += (gate * n).to(dt).to(tl.float32)
+        tl.store(out_ptr + m * stride_o + h, (acc / HC).to(dt), mask=hmask)
+
+
+def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
+                       block_h: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """``hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)`` in one launch, for the
+    few rows of a decode step (at most :data:`tidal.kernels.gemv_triton.MAX_ROWS`).
+
+    ``down_out [M, lowrank]`` (any row stride, unit column stride: a column slice of the ``[down; inject]``
+    GEMV's output), ``up_weight [hc * hidden, lowrank]``, ``normed [M, hc * hidden]``, one dtype. A
+    program takes ``block_h`` features of the block input: it reads their ``hc`` rows of ``up_weight`` once,
+    for all rows; the up projection's output never leaves registers.
+    """
+    rows, width = normed.shape
+    hidden = width // hc
+    lowrank = down_out.shape[1]
+    if hidden * hc != width or down_out.shape[0] != rows or up_weight.shape != (width, lowrank):
+        raise ValueError(f"down_out {tuple(down_out.shape)}, up_weight {tuple(up_weight.shape)} and normed "
+                         f"{tuple(normed.shape)} do not fit hc={hc}")
+    if not down_out.dtype == up_weight.dtype == normed.dtype:
+        raise ValueError("down_out, up_weight and normed must share a dtype")
+    from .gemv_triton import MAX_K, MAX_ROWS
+
+    if rows > MAX_ROWS or lowrank > MAX_K:
+        raise ValueError(f"hc_mix_tail_triton takes at most {MAX_ROWS} rows and a low rank of {MAX_K}, "
+                         f"got {rows} x {lowrank}")
+    out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
+    if rows == 0:
+        return out
+    d2 = down_out if down_out.stride(1) == 1 else down_out.contiguous()
+    w2 = up_weight if up_weight.stride(1) == 1 else up_weight.contiguous()
+    n2 = normed if normed.stride(1) == 1 else normed.contiguous()
+    _hc_mix_tail_kernel[(triton.cdiv(hidden, block_h),)](
+        d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
+        ROWS=rows, HC=hc, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps)
+    return out

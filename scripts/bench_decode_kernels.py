@@ -2,7 +2,7 @@
 (as decode runs them).
 
     python scripts/bench_decode_kernels.py --out DIR [--parts route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
-        [--contexts 8192,32768,131072] [--prefill 32768]
+        [--contexts 8192,32768,131072] [--prefill 32768]   (parts: route, moe, qsa, hc, gemv)
 
 MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
 tokens, the ``grouped`` arm is the layer's MoE after the router GEMM as it ran before the GEMV kernels
@@ -16,6 +16,13 @@ path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, maske
 ``qsa_select``; and one 32K-token prompt's rows (``--prefill``).
 
 Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
+
+Hyper-connection mix (``--parts hc``; hc 4 x hidden 2048, low rank 320): for T rows, the ``cublas`` arm is
+the mix as larger batches run it (the ``[down; inject]`` GEMM, the gate kernel, the ``up`` GEMM, the
+block-input kernel) and the kernel arms are ``gemv_triton`` then ``hc_mix_tail_triton`` at each launch
+shape; ``gemv`` alone and the tail alone are timed for every shape too. Dense GEMV (``--parts gemv``): the
+decode step's other projections (router, out projection, the input stacks) through ``F.linear`` and through
+``gemv_triton``. Weights rotate over enough copies to exceed the L2 cache (a step reads each once, from HBM).
 
 Prints a table and writes ``DIR/bench_decode_kernels.json``.
 """
@@ -31,7 +38,10 @@ import torch
 import torch.nn.functional as F
 from bench_forward import device_ms, measure_bandwidth  # this script's folder is first on sys.path
 
+from tidal.kernels import hyper_connection as hc_k
 from tidal.kernels import moe as moe_k
+from tidal.kernels.gemv_triton import gemv_triton
+from tidal.kernels.hyper_connection_triton import hc_mix_tail_triton
 from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
@@ -161,6 +171,93 @@ def bench_qsa(tokens_list, contexts, prefill, results):
         results["qsa_prefill"] = {"tokens": prefill, "kernel_ms": ms}
 
 
+HC, LOWRANK = 4, 320
+L2_BYTES = 50 << 20
+
+
+def copies_beyond_l2(nbytes: int) -> int:
+    """How many copies of ``nbytes`` of weights fill twice the L2 cache (at least 2)."""
+    return max(2, -(-2 * L2_BYTES // nbytes))
+
+
+def rotated_us(fn, weights) -> float:
+    """Microseconds of one ``fn(*w)``, the graph running it once for every entry of ``weights`` in turn."""
+    return graph_us(lambda: [fn(*w) for w in weights], replays=50) / len(weights)
+
+
+def bench_hc(tokens_list, bw, results):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dt, width = torch.bfloat16, HC * H
+    stack_rows = LOWRANK + HC + 4  # padded to a multiple of 8 rows, as StackedWeight does
+    nbytes = (stack_rows + LOWRANK) * width * 2
+    weights = [((torch.randn(stack_rows, width, generator=g, device="cuda") / width ** 0.5).to(dt),
+                (torch.randn(width, LOWRANK, generator=g, device="cuda") / LOWRANK ** 0.5).to(dt))
+               for _ in range(copies_beyond_l2(nbytes))]
+    floor_us = nbytes / bw * 1e6
+    print(f"HC mix: {len(weights)} weight copies, floor {floor_us:.2f} us")
+
+    def cublas(normed, stack, up):
+        down, logits = F.linear(normed, stack)[:, :LOWRANK + HC].split([LOWRANK, HC], dim=-1)
+        return hc_k.hc_block_input(normed, F.linear(hc_k.hc_gate_act(down, HC), up), HC), logits
+
+    def gemv_arm(normed, tile, warps, stack, up):
+        return gemv_triton(normed, stack, tile=tile, num_warps=warps)
+
+    def tail_arm(down, normed, block_h, warps, stack, up):
+        return hc_mix_tail_triton(down, up, normed, HC, block_h=block_h, num_warps=warps)
+
+    def kernels(normed, tile, warps, block_h, tail_warps, stack, up):
+        y = gemv_triton(normed, stack, tile=tile, num_warps=warps)
+        return hc_mix_tail_triton(y[:, :LOWRANK], up, normed, HC, block_h=block_h, num_warps=tail_warps), y
+
+    for t in tokens_list:
+        normed = torch.randn(t, width, generator=g, device="cuda").to(dt)
+        row = {"tokens": t, "floor_us": floor_us, "cublas_us": rotated_us(functools.partial(cublas, normed), weights)}
+        line = f"HC T={t:>3} cublas {row['cublas_us']:6.2f} us"
+        if t <= 8:
+            down = torch.randn(t, stack_rows, generator=g, device="cuda").to(dt)[:, :LOWRANK]
+            gemv = {(tile, w): rotated_us(functools.partial(gemv_arm, normed, tile, w), weights)
+                    for tile in (2048, 4096, 8192, 16384) for w in (4, 8)}
+            tail = {(bh, w): rotated_us(functools.partial(tail_arm, down, normed, bh, w), weights)
+                    for bh in (1, 2, 4, 8) for w in (1, 2, 4)}
+            (tile, w), (bh, w2) = min(gemv, key=gemv.get), min(tail, key=tail.get)
+            row["gemv_us"] = {f"tile{k[0]}/w{k[1]}": v for k, v in gemv.items()}
+            row["tail_us"] = {f"bh{k[0]}/w{k[1]}": v for k, v in tail.items()}
+            gemv_best, tail_best = f"tile{tile}/w{w}", f"bh{bh}/w{w2}"
+            best = functools.partial(kernels, normed, tile, w, bh, w2)
+            row["kernels_us"] = rotated_us(best, weights)
+            row["best"] = (gemv_best, tail_best)
+            line += (f"  kernels {row['kernels_us']:6.2f} us ({gemv_best} {row['gemv_us'][gemv_best]:.2f} + "
+                     f"{tail_best} {row['tail_us'][tail_best]:.2f})  floor/kernels {floor_us / row['kernels_us']:.3f}")
+            got, want = best(*weights[0])[0], cublas(normed, *weights[0])[0]
+            row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
+        print(line, flush=True)
+        results["hc"].append(row)
+
+
+def bench_gemv(tokens_list, bw, results):
+    g = torch.Generator(device="cuda").manual_seed(4)
+
+    def gemv_arm(x, tile, warps, w):
+        return gemv_triton(x, w, tile=tile, num_warps=warps)
+
+    for name, (n, k) in {"router": (512, H), "out projection": (H, 4096), "attention [q; k; v; index]": (11392, H),
+                         "GDN [qkv; z; b; a]": (12352, H)}.items():
+        weights = [((torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16),)
+                   for _ in range(copies_beyond_l2(n * k * 2))]
+        floor_us = n * k * 2 / bw * 1e6
+        for t in (t for t in tokens_list if t <= 8):
+            x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
+            gemv = {f"tile{tile}/w{nw}": rotated_us(functools.partial(gemv_arm, x, tile, nw), weights)
+                    for tile in (2048, 4096, 8192, 16384) for nw in (4, 8)}
+            row = {"weight": name, "out": n, "in": k, "tokens": t, "floor_us": floor_us,
+                   "cublas_us": rotated_us(functools.partial(F.linear, x), weights), "gemv_us": gemv}
+            best = min(gemv, key=gemv.get)
+            print(f"GEMV {name:>28} T={t} cublas {row['cublas_us']:6.2f}  gemv {gemv[best]:6.2f} ({best})"
+                  f"  floor {floor_us:6.2f}", flush=True)
+            results["gemv"].append(row)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -174,10 +271,14 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": []}
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "hc": [], "gemv": []}
     parts = args.parts.split(",")
     if "route" in parts:
         bench_route(results)
+    if "hc" in parts:
+        bench_hc(tokens, bw, results)
+    if "gemv" in parts:
+        bench_gemv(tokens, bw, results)
     if "moe" in parts:
         bench_moe(tokens, bw, results)
     if "qsa" in parts:

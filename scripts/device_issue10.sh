@@ -2,7 +2,7 @@
 # One device call for decode: the GPU-marked forward tests (CUDA graph replays against eager steps),
 # then decode under the profiler with graphs on and off, then decode against the HBM floor; server:
 # decode through tidal serve (graphs and overlap on and off); kernels: the decode kernels' tests (all of
-# them, compiled) and scripts/bench_decode_kernels.py; numerics: scripts/numerics_check.py (NUM_BISECT: its
+# them, compiled) and scripts/bench_decode_kernels.py (KBENCH_ARGS: its arguments); numerics: scripts/numerics_check.py (NUM_BISECT: its
 # --bisect list); qsa: the attention kernels' launch-config sweep (scripts/tune_attention.py); moe: the grouped
 # path's gate_up launch-config sweep (scripts/tune_moe.py); conv: the conv1d prefill sweep (scripts/tune_conv.py);
 # prefill: the
@@ -26,7 +26,7 @@ for part in $parts; do
         tests/test_kernel_attention.py \
         tests/test_kernel_gdn_prefill.py} > $OUT/kernel_tests.log 2>&1; echo "kernel tests rc $?" >> $OUT/kernel_tests.log
       tail -4 $OUT/kernel_tests.log
-      timeout ${KBENCH_LIMIT:-200} python3 scripts/bench_decode_kernels.py --out $OUT > $OUT/bench_decode_kernels.log 2>&1
+      timeout ${KBENCH_LIMIT:-200} python3 scripts/bench_decode_kernels.py --out $OUT ${KBENCH_ARGS:-} > $OUT/bench_decode_kernels.log 2>&1
       echo "kernel bench rc $?" >> $OUT/bench_decode_kernels.log
       cat $OUT/bench_decode_kernels.log ;;
     profile)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.backend import use_triton
-from ...kernels.hyper_connection import hc_block_input, hc_gate_act, hc_residual_norm
+from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
 
@@ -77,6 +77,9 @@ class GatedResidual(nn.Module):
             start, count = self._cols
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
+        elif (use_triton(normed, "hc") and normed.dim() == 2 and normed.shape[0] <= MIX_GEMV_ROWS
+              and normed.dtype == self.input_mix_weight_up.weight.dtype):
+            return self._mix_rows(normed)
         elif self.block_inject_weight is not None and use_triton(normed, "hc"):
             down, logits = self._down_inject.split(F.linear(normed, self._down_inject.get()))
         else:
@@ -84,6 +87,17 @@ class GatedResidual(nn.Module):
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
         up = self.input_mix_weight_up(hc_gate_act(down, hc))
         return hc_block_input(normed, up, hc), logits
+
+    def _mix_rows(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``mix`` of a decode step's few rows in two weight-streaming launches: the ``[down; inject]``
+        projection, then the gate, the ``up`` projection and the gated mean in one."""
+        from ...kernels.gemv_triton import gemv_triton
+        from ...kernels.hyper_connection_triton import hc_mix_tail_triton
+
+        stacked = self._down_inject is not None
+        y = gemv_triton(normed, self._down_inject.get() if stacked else self.input_mix_weight_down.weight)
+        block_input = hc_mix_tail_triton(y[:, :self.lowrank], self.input_mix_weight_up.weight, normed, self.hc_count)
+        return block_input, y[:, self.lowrank:self.lowrank + self.hc_count] if stacked else None
 
     def full_down_weight(self) -> torch.Tensor:
         """The whole ``input_mix_weight_down`` from the TP ranks' input slices (gathered once)."""

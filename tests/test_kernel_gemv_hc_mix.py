@@ -1,0 +1,167 @@
+"""The decode-row GEMV and the hyper-connection mix of a decode step's few rows against their torch
+references (``F.linear``; the gate, ``up`` GEMM and gated mean of ``kernels/hyper_connection``).
+
+Without CUDA the Triton kernels run in the interpreter (fp32, CPU tensors); the ``gpu`` tests take the
+bench model's shapes in bf16 and fp32, and the mix inside ``GatedResidual`` against the cuBLAS path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+_INTERPRET = not torch.cuda.is_available()
+if _INTERPRET:  # never on a GPU machine: it would turn every kernel of the session into the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cpu" if _INTERPRET else "cuda"
+
+from tidal.executor.layers import hyper_connection as hc_layer  # noqa: E402
+from tidal.executor.layers.hyper_connection import GatedResidual  # noqa: E402
+from tidal.kernels import hyper_connection as hc_ops  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tri():
+    pytest.importorskip("triton")
+    from tidal.kernels import gemv_triton, hyper_connection_triton
+
+    return gemv_triton, hyper_connection_triton
+
+
+def _mix_ref(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int) -> torch.Tensor:
+    """The cuBLAS path's arithmetic after the ``[down; inject]`` GEMM, op by op in torch."""
+    return hc_ops.hc_block_input_ref(normed, F.linear(hc_ops.hc_gate_act_ref(down, hc), up_weight), hc)
+
+
+# ---------------------------------------------------------------- float32, CPU interpreter (or GPU)
+
+@pytest.mark.parametrize("rows,n_out,k_in,tile", [(1, 24, 64, 8192), (3, 37, 100, 256), (8, 5, 48, 64),
+                                                  (2, 9, 16, 16)])
+def test_gemv_matches_linear(tri, rows, n_out, k_in, tile):
+    """Outputs not a multiple of the program's rows, reductions not a power of two, programs of one row
+    (``tile`` 16 at K 16), and ``x`` a column slice of a wider tensor (the layer hands it so)."""
+    g = torch.Generator().manual_seed(rows * n_out)
+    x = torch.randn(rows, k_in + 5, generator=g).to(DEV)[:, 5:]
+    w = torch.randn(n_out, k_in, generator=g).to(DEV)
+    torch.testing.assert_close(tri[0].gemv_triton(x, w, tile=tile), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_refuses_what_it_does_not_serve(tri):
+    x, w = torch.zeros(tri[0].MAX_ROWS + 1, 8, device=DEV), torch.zeros(4, 8, device=DEV)
+    with pytest.raises(ValueError, match=f"at most {tri[0].MAX_ROWS} rows"):
+        tri[0].gemv_triton(x, w)
+    with pytest.raises(ValueError, match="do not multiply"):
+        tri[0].gemv_triton(x[:1], w[:, :7])
+    assert tri[0].gemv_triton(x[:0], w).shape == (0, 4)
+    assert not tri[0].gemv_triton(x[:2, :0], w[:, :0]).any()
+
+
+@pytest.mark.parametrize("rows,hc,hidden,lowrank,block_h", [(1, 4, 64, 24, 4), (3, 3, 48, 20, 8), (8, 4, 40, 33, 16)])
+def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
+    """``down`` is a column slice of the stacked GEMV's output (inject logits after it); hidden sizes
+    not a multiple of the program's block."""
+    g = torch.Generator().manual_seed(rows + hidden)
+    down = (3 * torch.randn(rows, lowrank + hc + 3, generator=g)).to(DEV)[:, :lowrank]
+    up_w = (torch.randn(hc * hidden, lowrank, generator=g) / lowrank ** 0.5).to(DEV)
+    normed = torch.randn(rows, hc * hidden, generator=g).to(DEV)
+    got = tri[1].hc_mix_tail_triton(down, up_w, normed, hc, block_h=block_h)
+    torch.testing.assert_close(got, _mix_ref(down, up_w, normed, hc), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit hc="):
+        tri[1].hc_mix_tail_triton(down, up_w[:-1], normed, hc)
+
+
+def _module(hc, hidden, lowrank, seed, dtype=torch.float32, use_combine=True):
+    torch.manual_seed(seed)
+    m = GatedResidual(hc, hidden, lowrank, 1e-6, use_combine=use_combine)
+    width = hc * hidden
+    m.hc_norm.weight.copy_(0.2 * torch.randn(width))
+    m.input_mix_weight_down.weight.copy_(torch.randn(lowrank, width) / width ** 0.5)
+    m.input_mix_weight_up.weight.copy_(torch.randn(width, lowrank) / lowrank ** 0.5)
+    if use_combine:
+        m.block_inject_weight.weight.copy_(torch.randn(hc, width) / width ** 0.5)
+    return m.to(device=DEV, dtype=dtype)
+
+
+def _mix_both_ways(monkeypatch, m, normed):
+    """``m.mix(normed)`` with the kernels' dispatch on, and with every hyper-connection op in torch."""
+    monkeypatch.setattr(hc_layer, "use_triton", lambda t, name=None: True)
+    monkeypatch.setattr(hc_ops, "use_triton", lambda t, name=None: True)
+    got = m.mix(normed)
+    monkeypatch.setattr(hc_layer, "use_triton", lambda t, name=None: False)
+    monkeypatch.setattr(hc_ops, "use_triton", lambda t, name=None: False)
+    return got, m.mix(normed)
+
+
+@pytest.mark.parametrize("use_combine", [True, False], ids=["inject", "final"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_layer_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_combine):
+    """``GatedResidual.mix`` of a few rows runs the two launches (the stacked weight's GEMV: inject logits
+    are its column view; the final mixer has none) and equals the torch path."""
+    m = _module(3, 48, 20, seed=rows, use_combine=use_combine)
+    normed = torch.randn(rows, 3 * 48, device=DEV)
+    calls = []
+    real = tri[0].gemv_triton
+    monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    (x, logits), (x_ref, logits_ref) = _mix_both_ways(monkeypatch, m, normed)
+    assert calls == [(24, 144) if use_combine else (20, 144)]
+    torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5)
+    if use_combine:
+        torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    else:
+        assert logits is None and logits_ref is None
+
+
+def test_layer_mix_of_many_rows_keeps_the_gemms(tri, monkeypatch):
+    m = _module(3, 48, 20, seed=0)
+    normed = torch.randn(hc_ops.MIX_GEMV_ROWS + 1, 3 * 48, device=DEV)
+    monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: pytest.fail("a GEMV for a GEMM's rows"))
+    (x, logits), (x_ref, logits_ref) = _mix_both_ways(monkeypatch, m, normed)
+    torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the bench model's shapes on the GPU
+
+HC, HIDDEN, LOWRANK = 4, 2048, 320
+
+
+def _assert_near(got, want, dtype):
+    """fp32: 1e-5 (summation order). bf16: the kernels round where the reference does, but a last-bit
+    difference of a sum flips a rounding now and then; max error <= 1e-2 of max |ref|, mean <= 1e-3."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    err, ref = (got.float() - want.float()).abs(), want.float().abs()
+    assert err.max() <= 1e-2 * ref.max(), (err.max(), ref.max())
+    assert err.mean() <= 1e-3 * ref.mean(), (err.mean(), ref.mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(LOWRANK + HC + 4, HC * HIDDEN), (512, HIDDEN), (HIDDEN, 4096), (12352, HIDDEN)]
+    for rows in (1, 2, 4, 8):
+        for n_out, k_in in shapes:
+            x = torch.randn(rows, k_in, device="cuda", generator=g).to(dtype)
+            w = (torch.randn(n_out, k_in, device="cuda", generator=g) / k_in ** 0.5).to(dtype)
+            got = tri[0].gemv_triton(x, w)
+            # Each output is one rounding of an fp32 dot: against the fp32 product rounded once.
+            want = F.linear(x.double(), w.double()).to(dtype)
+            _assert_near(got, want, dtype)
+            assert torch.equal(got[:1], tri[0].gemv_triton(x[:1], w))  # a row's result whatever its batch
+        for use_combine in (True, False):
+            m = _module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
+            normed = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)
+            monkeypatch.setenv("TIDAL_KERNELS", "triton")
+            got = m.mix(normed)
+            monkeypatch.setenv("TIDAL_KERNELS", "torch")
+            want = m.mix(normed)
+            for a, b in zip(got, want, strict=True):
+                if b is None:
+                    assert a is None
+                else:
+                    _assert_near(a, b, dtype)
