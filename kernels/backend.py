@@ -35,6 +35,7 @@ KERNELS = (
     "conv",           # causal conv1d varlen and its decode step (kernels/conv)
     "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
     "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
+    "gemv",           # projections of a decode step's few rows (kernels/gemv)
     "hc",             # hyper-connection kernels (kernels/hyper_connection, executor/layers/hyper_connection)
     "moe",            # routed experts of prefill rows: grouped GEMM helpers and the Triton fused MoE
     "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)

@@ -19,33 +19,35 @@ import torch
 import triton
 import triton.language as tl
 
-# The most rows of ``x`` a launch serves (each row is a pass over the weight tile in registers; larger
-# batches are GEMMs), and the widest reduction (a weight row is one register tile).
-MAX_ROWS = 8
-MAX_K = 16384
+from .gemv import MAX_K, MAX_ROWS
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, k_in, stride_x, stride_w, stride_y,
-                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
     nmask = n < n_out
     kmask = k < k_in
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
                 mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    # Every row's result is kept until one store at the end: a store between the rows would hold the
+    # next row's load behind it (the compiler must assume y may alias x).
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for m in tl.static_range(ROWS):
         x = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
-        y = tl.sum(w * x[None, :], axis=1)
-        tl.store(y_ptr + m * stride_y + n, y.to(y_ptr.dtype.element_ty), mask=nmask)
+        acc = tl.where(rows[:, None] == m, tl.sum(w * x[None, :], axis=1)[None, :], acc)
+    tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows < ROWS)[:, None] & nmask[None, :])
 
 
-def block_n(n_out: int, k_in: int, tile: int = 8192) -> int:
+def block_n(n_out: int, k_in: int, tile: int = 4096) -> int:
     """Weight rows a program reads: a tile of about ``tile`` weights, at least one row."""
     return max(1, min(triton.next_power_of_2(n_out), tile // triton.next_power_of_2(k_in)))
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, tile: int = 8192, num_warps: int = 4) -> torch.Tensor:
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, tile: int = 4096, num_warps: int = 8) -> torch.Tensor:
     """``x @ weight.T`` for ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit column stride) and ``weight [N, K]``
     (unit column stride, K <= :data:`MAX_K`), in ``x``'s dtype; one launch. ``tile`` (weights a program
     reads) and ``num_warps`` are the launch's shape."""
@@ -67,6 +69,6 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, tile: int = 8192, num_war
         return y.zero_()
     bn = block_n(n_out, k_in, tile)
     _gemv_kernel[(triton.cdiv(n_out, bn),)](x, weight, y, n_out, k_in, x.stride(0), weight.stride(0), y.stride(0),
-                                            ROWS=rows, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(k_in),
-                                            num_warps=num_warps)
+                                            ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn,
+                                            BLOCK_K=triton.next_power_of_2(k_in), num_warps=num_warps)
     return y

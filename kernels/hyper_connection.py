@@ -25,7 +25,7 @@ from .norm import rms_norm_ref
 # Rows up to which a CUDA ``GatedResidual.mix`` runs as two weight-streaming Triton launches
 # (``gemv_triton``, then ``hc_mix_tail_triton``) instead of two cuBLAS GEMMs around the gate and
 # block-input kernels; measured with ``scripts/bench_decode_kernels.py --parts hc``.
-MIX_GEMV_ROWS = 8
+MIX_GEMV_ROWS = 4
 
 
 def hc_gate_act_ref(down_out: torch.Tensor, hc: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv import MAX_K, MAX_ROWS
 from .hyper_connection import hc_residual_norm_ref
 
 MAX_HIDDEN = 16384  # one stream slice is normalised in registers; wider ones take the reference
@@ -159,14 +160,19 @@ def hc_gate_act_triton(down_out: torch.Tensor, hc: int) -> torch.Tensor:
 
 @triton.jit
 def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d, stride_w, stride_n, stride_o,
-                        ROWS: tl.constexpr, HC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_R: tl.constexpr):
     """``BLOCK_H`` block-input features of every row: the gate activation of the row's ``down`` output,
     the ``up`` projection's ``HC`` weight rows of those features (one per stream), and the gated mean."""
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
+    rows = tl.arange(0, BLOCK_M)
     hmask = h < hidden
     rmask = r < lowrank
     dt = out_ptr.dtype.element_ty
+    # One store at the end, for every row: a store between the rows would hold the next row's loads
+    # behind it (the compiler must assume the output may alias the inputs).
+    res = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     for m in tl.static_range(ROWS):
         # silu(down / hc), rounded after the division and the activation like the reference.
         a = (tl.load(d_ptr + m * stride_d + r, mask=rmask, other=0.0).to(tl.float32) / HC).to(dt).to(tl.float32)
@@ -180,13 +186,14 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
             gate = tl.sigmoid(up).to(dt).to(tl.float32)
             n = tl.load(n_ptr + m * stride_n + feat, mask=hmask, other=0.0).to(tl.float32)
             acc += (gate * n).to(dt).to(tl.float32)
-        tl.store(out_ptr + m * stride_o + h, (acc / HC).to(dt), mask=hmask)
+        res = tl.where(rows[:, None] == m, (acc / HC)[None, :], res)
+    tl.store(out_ptr + rows[:, None] * stride_o + h[None, :], res.to(dt), mask=(rows < ROWS)[:, None] & hmask[None, :])
 
 
 def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                       block_h: int = 4, num_warps: int = 4) -> torch.Tensor:
+                       block_h: int = 1, num_warps: int = 1) -> torch.Tensor:
     """``hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)`` in one launch, for the
-    few rows of a decode step (at most :data:`tidal.kernels.gemv_triton.MAX_ROWS`).
+    few rows of a decode step (at most :data:`tidal.kernels.gemv.MAX_ROWS`).
 
     ``down_out [M, lowrank]`` (any row stride, unit column stride: a column slice of the ``[down; inject]``
     GEMV's output), ``up_weight [hc * hidden, lowrank]``, ``normed [M, hc * hidden]``, one dtype. A
@@ -201,8 +208,6 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
                          f"{tuple(normed.shape)} do not fit hc={hc}")
     if not down_out.dtype == up_weight.dtype == normed.dtype:
         raise ValueError("down_out, up_weight and normed must share a dtype")
-    from .gemv_triton import MAX_K, MAX_ROWS
-
     if rows > MAX_ROWS or lowrank > MAX_K:
         raise ValueError(f"hc_mix_tail_triton takes at most {MAX_ROWS} rows and a low rank of {MAX_K}, "
                          f"got {rows} x {lowrank}")
@@ -214,5 +219,6 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
     n2 = normed if normed.stride(1) == 1 else normed.contiguous()
     _hc_mix_tail_kernel[(triton.cdiv(hidden, block_h),)](
         d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
-        ROWS=rows, HC=hc, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps)
+        ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, BLOCK_H=block_h,
+        BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps)
     return out

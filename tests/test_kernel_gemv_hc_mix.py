@@ -20,6 +20,7 @@ DEV = "cpu" if _INTERPRET else "cuda"
 
 from tidal.executor.layers import hyper_connection as hc_layer  # noqa: E402
 from tidal.executor.layers.hyper_connection import GatedResidual  # noqa: E402
+from tidal.kernels import gemv as gemv_ops  # noqa: E402
 from tidal.kernels import hyper_connection as hc_ops  # noqa: E402
 
 
@@ -59,6 +60,24 @@ def test_gemv_refuses_what_it_does_not_serve(tri):
     assert not tri[0].gemv_triton(x[:2, :0], w[:, :0]).any()
 
 
+def test_linear_takes_the_gemv_for_few_rows_only(tri, monkeypatch):
+    """``kernels.gemv.linear``: the GEMV for at most GEMV_ROWS rows without a bias, ``F.linear`` otherwise;
+    equal to ``F.linear`` either way."""
+    monkeypatch.setattr(gemv_ops, "use_triton", lambda t, name=None: name == "gemv")
+    calls = []
+    real = tri[0].gemv_triton
+    monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    w, bias = torch.randn(24, 40, device=DEV), torch.randn(24, device=DEV)
+    for rows in (1, gemv_ops.GEMV_ROWS, gemv_ops.GEMV_ROWS + 1):
+        x = torch.randn(rows, 40, device=DEV)
+        torch.testing.assert_close(gemv_ops.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gemv_ops.linear(x, w, bias), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, gemv_ops.GEMV_ROWS]
+    monkeypatch.setattr(gemv_ops, "use_triton", lambda t, name=None: False)
+    gemv_ops.linear(torch.randn(1, 40, device=DEV), w)
+    assert calls == [1, gemv_ops.GEMV_ROWS]
+
+
 @pytest.mark.parametrize("rows,hc,hidden,lowrank,block_h", [(1, 4, 64, 24, 4), (3, 3, 48, 20, 8), (8, 4, 40, 33, 16)])
 def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
     """``down`` is a column slice of the stacked GEMV's output (inject logits after it); hidden sizes
@@ -96,7 +115,7 @@ def _mix_both_ways(monkeypatch, m, normed):
 
 
 @pytest.mark.parametrize("use_combine", [True, False], ids=["inject", "final"])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, hc_ops.MIX_GEMV_ROWS])
 def test_layer_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_combine):
     """``GatedResidual.mix`` of a few rows runs the two launches (the stacked weight's GEMV: inject logits
     are its column view; the final mixer has none) and equals the torch path."""

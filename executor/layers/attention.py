@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.attention import paged_attention
 from ...kernels.backend import use_triton
+from ...kernels.gemv import linear
 from ...kernels.qsa import pick_blocks
 from ..distributed import split
 from ..distributed.shard import kv_heads
@@ -120,7 +120,7 @@ class GatedAttention(nn.Module):
         cos, sin = batch.rope if batch.rope is not None else self.rotary.cos_sin(batch.positions, x.dtype)
         index_qk = None
         if use_triton(x, "stacked") and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
-            q_gate, k, v, *rest = self._in_proj.split(F.linear(x, self._in_proj.get()))
+            q_gate, k, v, *rest = self._in_proj.split(linear(x, self._in_proj.get()))
             index_qk = rest[0] if rest else None
         else:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -142,4 +142,5 @@ class GatedAttention(nn.Module):
                               block_sel=block_sel, qsa_ratio=self.indexer.ratio if self.indexer else 0,
                               gate=gate, max_seqlen_q=a.max_seqlen)
         # The output gate is applied inside the attention, read where the projection wrote it (a strided view).
-        return self.o_proj(out.reshape(tokens, -1))  # a partial sum over this rank's heads under tensor parallelism
+        # Under tensor parallelism the result is a partial sum over this rank's heads.
+        return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelConfig
@@ -11,6 +10,7 @@ from ...kernels.backend import use_triton
 from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.gdn import gdn_gates
 from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
+from ...kernels.gemv import linear
 from ...kernels.norm import gated_rms_norm
 from ..distributed import split
 from ..forward_batch import ForwardBatch
@@ -54,7 +54,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if use_triton(x, "stacked"):  # the four input projections as one GEMM
-            qkv, z, b, a = self._in_proj.split(F.linear(x, self._in_proj.get()))
+            qkv, z, b, a = self._in_proj.split(linear(x, self._in_proj.get()))
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
         out = gated_rms_norm(core, z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), self.norm.weight, self.eps,
                              self.gate_act)
         # Under tensor parallelism a partial sum over this rank's heads: the decoder layer reduces it.
-        return self.out_proj(out.reshape(x.shape[0], self.value_dim))
+        return linear(out.reshape(x.shape[0], self.value_dim), self.out_proj.weight)
 
     def _prefill(self, x, g, beta, conv_slots, rec_slots, weight, batch: ForwardBatch) -> torch.Tensor:
         """Prefill rows' core output ``[rows, Hv, dv]``: conv over every segment at once, then the
