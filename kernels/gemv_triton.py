@@ -7,7 +7,8 @@ cuBLAS runs a split-K GEMM and a reduce, two launches of a fixed 3-5 us whatever
 rows and loads them in one unrolled pass, so every byte it needs is in flight at once (a loop over the
 reduction would wait one HBM round trip per step, which is why a GEMV with too few programs starves),
 then multiplies them with each row of ``x`` in turn (the weight tile stays in registers) and writes
-the rounded outputs. The grid is ``cdiv(N, BLOCK_N)`` programs, each reading ``BLOCK_N * K`` weights.
+the rounded outputs. Launched with PDL (``kernels/pdl``), the weight loads overlap the previous
+kernel. The grid is ``cdiv(N, BLOCK_N)`` programs, each reading ``BLOCK_N * K`` weights.
 
 Each output is one fp32 dot product over the whole row, rounded once to ``y``'s dtype, as a GEMM's
 output is; a row's result does not depend on the other rows of the batch.
@@ -18,13 +19,18 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import pdl
 from .gemv import MAX_K, MAX_ROWS
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, k_in, stride_x, stride_w, stride_y,
-                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
@@ -32,6 +38,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, k_in, stride_x, stride_w, stride_y,
     kmask = k < k_in
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
                 mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+    if PDL:  # the weights are loading; x is the previous kernel's output
+        gdc_wait()
     # Every row's result is kept until one store at the end: a store between the rows would hold the
     # next row's load behind it (the compiler must assume y may alias x).
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -68,7 +76,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, tile: int = 4096, num_war
     if k_in == 0:
         return y.zero_()
     bn = block_n(n_out, k_in, tile)
+    use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n_out, bn),)](x, weight, y, n_out, k_in, x.stride(0), weight.stride(0), y.stride(0),
                                             ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn,
-                                            BLOCK_K=triton.next_power_of_2(k_in), num_warps=num_warps)
+                                            BLOCK_K=triton.next_power_of_2(k_in), PDL=use_pdl, num_warps=num_warps,
+                                            launch_pdl=use_pdl)
     return y

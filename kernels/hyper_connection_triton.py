@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import pdl
 from .gemv import MAX_K, MAX_ROWS
 from .hyper_connection import hc_residual_norm_ref
 
@@ -51,8 +53,13 @@ def stream_slice(hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def _hc_residual_norm_kernel(h_ptr, b_ptr, l_ptr, w_ptr, new_ptr, normed_ptr, hidden,
                              stride_h, stride_b, stride_l, stride_new, stride_normed, eps,
-                             HC: tl.constexpr, BLOCK: tl.constexpr):
+                             HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
     row, s, cols, mask, feat = stream_slice(hidden, HC, BLOCK)
+    w = tl.load(w_ptr + feat, mask=mask, other=0.0).to(tl.float32)
+    if PDL:  # the norm weight is loading; the rest is the previous kernels' output
+        gdc_wait()
     dt = new_ptr.dtype.element_ty
     # inject = 2 * sigmoid(logit / hc), rounded after the division and the sigmoid like the reference.
     logit = tl.load(l_ptr + row * stride_l + s).to(tl.float32)
@@ -63,7 +70,6 @@ def _hc_residual_norm_kernel(h_ptr, b_ptr, l_ptr, w_ptr, new_ptr, normed_ptr, hi
     tl.store(new_ptr + row * stride_new + feat, new, mask=mask)
     x = new.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + feat, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * stride_normed + feat, (x * inv * (1.0 + w)).to(dt), mask=mask)
 
 
@@ -105,10 +111,11 @@ def hc_residual_norm_triton(streams: torch.Tensor, block_out: torch.Tensor, inje
     if rows == 0:
         return new, normed
     block = triton.next_power_of_2(hidden)
+    use_pdl = pdl.enabled(streams)
     _hc_residual_norm_kernel[(rows * hc,)](
         h2, b2, l2, norm_weight.contiguous(), new, normed, hidden,
         h2.stride(0), b2.stride(0), l2.stride(0), width, width, float(eps),
-        HC=hc, BLOCK=block, num_warps=_num_warps(block))
+        HC=hc, BLOCK=block, PDL=use_pdl, num_warps=_num_warps(block), launch_pdl=use_pdl)
     return new, normed
 
 
@@ -160,15 +167,27 @@ def hc_gate_act_triton(down_out: torch.Tensor, hc: int) -> torch.Tensor:
 
 @triton.jit
 def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d, stride_w, stride_n, stride_o,
-                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr, BLOCK_H: tl.constexpr,
-                        BLOCK_R: tl.constexpr):
+                        ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK_H`` block-input features of every row: the gate activation of the row's ``down`` output,
     the ``up`` projection's ``HC`` weight rows of those features (one per stream), and the gated mean."""
-    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if PDL:
+        gdc_launch_dependents()
+    # The HC_PAD * BLOCK_H weight rows of this program's features, stream-major: i = s * BLOCK_H + j.
+    i = tl.arange(0, HC_PAD * BLOCK_H)
+    s = i // BLOCK_H
+    h = tl.program_id(0) * BLOCK_H + i % BLOCK_H
+    feat = s * hidden + h
+    fmask = (s < HC) & (h < hidden)
     r = tl.arange(0, BLOCK_R)
-    rows = tl.arange(0, BLOCK_M)
-    hmask = h < hidden
     rmask = r < lowrank
+    w = tl.load(w_ptr + feat.to(tl.int64)[:, None] * stride_w + r[None, :],
+                mask=fmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
+    if PDL:  # the weights are loading; the rest is the previous kernels' output
+        gdc_wait()
+    hh = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    streams = tl.arange(0, HC_PAD)
+    rows = tl.arange(0, BLOCK_M)
     dt = out_ptr.dtype.element_ty
     # One store at the end, for every row: a store between the rows would hold the next row's loads
     # behind it (the compiler must assume the output may alias the inputs).
@@ -177,17 +196,17 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
         # silu(down / hc), rounded after the division and the activation like the reference.
         a = (tl.load(d_ptr + m * stride_d + r, mask=rmask, other=0.0).to(tl.float32) / HC).to(dt).to(tl.float32)
         a = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
+        up = tl.sum(w * a[None, :], axis=1).to(dt).to(tl.float32)
+        gate = tl.sigmoid(up).to(dt).to(tl.float32)
+        n = tl.load(n_ptr + m * stride_n + feat, mask=fmask, other=0.0).to(tl.float32)
+        prod = tl.reshape((gate * n).to(dt).to(tl.float32), [HC_PAD, BLOCK_H])
+        # The streams' products summed in stream order, as the reference adds them.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for s in tl.static_range(HC):
-            feat = s * hidden + h
-            w = tl.load(w_ptr + feat.to(tl.int64)[:, None] * stride_w + r[None, :],
-                        mask=hmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-            up = tl.sum(w * a[None, :], axis=1).to(dt).to(tl.float32)
-            gate = tl.sigmoid(up).to(dt).to(tl.float32)
-            n = tl.load(n_ptr + m * stride_n + feat, mask=hmask, other=0.0).to(tl.float32)
-            acc += (gate * n).to(dt).to(tl.float32)
+        for st in tl.static_range(HC):
+            acc += tl.sum(tl.where(streams[:, None] == st, prod, 0.0), axis=0)
         res = tl.where(rows[:, None] == m, (acc / HC)[None, :], res)
-    tl.store(out_ptr + rows[:, None] * stride_o + h[None, :], res.to(dt), mask=(rows < ROWS)[:, None] & hmask[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_o + hh[None, :], res.to(dt),
+             mask=(rows < ROWS)[:, None] & (hh < hidden)[None, :])
 
 
 def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
@@ -217,8 +236,9 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
     d2 = down_out if down_out.stride(1) == 1 else down_out.contiguous()
     w2 = up_weight if up_weight.stride(1) == 1 else up_weight.contiguous()
     n2 = normed if normed.stride(1) == 1 else normed.contiguous()
+    use_pdl = pdl.enabled(normed)
     _hc_mix_tail_kernel[(triton.cdiv(hidden, block_h),)](
         d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
-        ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, BLOCK_H=block_h,
-        BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps)
+        ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, HC_PAD=triton.next_power_of_2(hc), BLOCK_H=block_h,
+        BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return out

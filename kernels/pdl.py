@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's Triton kernels.
+
+A decode step is a chain of small kernels, each a few microseconds, and between two of them the GPU
+drains one grid and starts the next. A kernel launched with PDL may start while the kernel before it
+is still finishing: its programs run up to ``gdc_wait()`` (which returns once the previous grid has
+completed and its writes are visible), so whatever they do first overlaps the previous kernel's tail.
+The weight-streaming kernels load their weights (which nothing in a step writes) before the wait and
+the activations after it. Such a kernel also calls ``gdc_launch_dependents()`` on entry, so that the
+next PDL kernel may be scheduled as soon as SMs free up. A kernel that reads or writes anything the
+previous kernel may touch does so only after ``gdc_wait()``; both calls are no-ops in a launch without
+PDL. Captured in a CUDA graph the launches become programmatic edges.
+
+``TIDAL_PDL=0`` turns it off (read at each launch: a graph keeps the launches it was captured with).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _supported(device: int) -> bool:
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether kernels over ``t`` launch with PDL: a CUDA tensor on an SM 9.0+ device, ``TIDAL_PDL`` not 0."""
+    if not t.is_cuda or os.environ.get("TIDAL_PDL", "1") == "0":
+        return False
+    return _supported(torch.cuda.current_device() if t.device.index is None else t.device.index)
