@@ -35,6 +35,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import pdl
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
 # warp they need no shared memory. Measured at 512 experts with scripts/bench_decode_kernels.py.
@@ -42,8 +45,19 @@ ROUTE_WARPS = 1
 
 
 @triton.jit
+def _pdl_enter(PDL: tl.constexpr):
+    """With PDL (``kernels/pdl``): let the next kernel launch, and wait for the previous one to finish
+    (everything these kernels read is its output or depends on it)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+
+
+@triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                  PDL: tl.constexpr):
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < n_experts
@@ -79,9 +93,10 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if tokens:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         block = triton.next_power_of_2(experts)
+        use_pdl = pdl.enabled(logits)
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORM=renormalize,
-                                 num_warps=num_warps)
+                                 PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
     return weights, ids
 
 
@@ -114,7 +129,9 @@ def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
-                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    _pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -164,9 +181,11 @@ def _rows_dot(rows, a_row, n_red, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
 @triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
     shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``."""
+    _pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -192,9 +211,10 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_p
 
 @triton.jit
 def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
-                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr):
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """``sum_k w_k * part_k`` over a token's routed experts in order, then plus the shared expert's part;
     fp32, one rounding."""
+    _pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -243,20 +263,22 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     per_token = top_k + (shared is not None)
     width = max(inter, s_inter)
     cfg_a, cfg_b = configs or pick_config(tokens)
+    use_pdl = pdl.enabled(x)
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
-        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps)
+        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), PDL=use_pdl, num_warps=cfg_a.num_warps,
+        launch_pdl=use_pdl)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
-        num_warps=cfg_b.num_warps)
+        PDL=use_pdl, num_warps=cfg_b.num_warps, launch_pdl=use_pdl)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         part, weights.contiguous(), out, hidden, out.stride(0), TOP_K=top_k, SHARED=shared is not None,
-        BLOCK_N=block, num_warps=4)
+        BLOCK_N=block, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
     return out

@@ -54,6 +54,10 @@ CANDIDATES = [
     (GemvConfig(8, 512, 4), GemvConfig(8, 512, 4)),
     (GemvConfig(8, 512, 4), GemvConfig(32, 512, 4)),
     (GemvConfig(8, 512, 4), GemvConfig(64, 512, 8)),
+    (GemvConfig(8, 1024, 4), GemvConfig(32, 512, 4)),
+    (GemvConfig(4, 1024, 4), GemvConfig(32, 512, 4)),
+    (GemvConfig(4, 2048, 8), GemvConfig(32, 512, 4)),
+    (GemvConfig(2, 2048, 4), GemvConfig(32, 512, 4)),
 ]
 
 
