@@ -24,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .conv import check_l2_group, l2_norm_groups, row_segments
 from .norm import L2_NORM_EPS
+from .pdl_triton import pdl_enter
 
 
 @triton.jit
@@ -79,7 +81,9 @@ def _conv_update_kernel(
     channels,
     sx_b, sx_c, ss_n, ss_w, ss_c, sw_c, sw_k, so_b, so_c,
     K: tl.constexpr, D: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     cmask = cols < channels
@@ -170,11 +174,13 @@ def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         return out
     block_c = min(256, triton.next_power_of_2(channels))
     grid = (batch, triton.cdiv(channels, block_c))
+    use_pdl = pdl.enabled(x)
     _conv_update_kernel[grid](
         x, states, weight, out, slots, _as_bytes(fresh),
         channels,
         x.stride(0), x.stride(1), states.stride(0), states.stride(1), states.stride(2),
         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, num_warps=4,
+        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, PDL=use_pdl, num_warps=4,
+        launch_pdl=use_pdl,
     )
     return out

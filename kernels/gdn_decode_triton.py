@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl_triton import pdl_enter
+
 
 @triton.jit
 def _gdn_decode_kernel(
@@ -23,8 +26,9 @@ def _gdn_decode_kernel(
     dk, dv, scale, eps,
     sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sg_b, sg_h, sb_b, sb_h,
     ss_n, ss_h, ss_k, ss_v, so_b, so_h, so_d,
-    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
@@ -75,6 +79,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     block_v = min(32, triton.next_power_of_2(dv))
     fresh = fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh
     grid = (batch, v_heads, triton.cdiv(dv, block_v))
+    use_pdl = pdl.enabled(v)
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, state_pool, out, slots, fresh,
         dk, dv, dk ** -0.5, 1e-6,
@@ -82,6 +87,6 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), state_pool.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUP=v_heads // k_heads, BK=block_k, BV=block_v, num_warps=4,
+        GROUP=v_heads // k_heads, BK=block_k, BV=block_v, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     return out

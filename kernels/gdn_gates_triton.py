@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .pdl_triton import pdl_enter
+
 
 @triton.jit
 def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, heads, sa_t, sb_t,
-                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.arange(0, BLOCK_H)
     hmask = h < heads
@@ -46,5 +50,6 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
         block_h = triton.next_power_of_2(heads)
         block_r = max(1, min(64, 2048 // block_h))
         _gates_kernel[(triton.cdiv(rows, block_r),)](a, b, a_log, dt_bias, g, beta, rows, heads, a.stride(0),
-                                                     b.stride(0), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+                                                     b.stride(0), BLOCK_R=block_r, BLOCK_H=block_h,
+                                                     PDL=pdl.enabled(a), num_warps=4, launch_pdl=pdl.enabled(a))
     return g, beta

@@ -19,18 +19,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
 from .gemv import MAX_K, MAX_ROWS
+from .pdl_triton import pdl_launch_next, pdl_wait
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, k_in, stride_x, stride_w, stride_y,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
+    pdl_launch_next(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, BLOCK_M)
@@ -38,8 +37,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, n_out, k_in, stride_x, stride_w, stride_y,
     kmask = k < k_in
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
                 mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    if PDL:  # the weights are loading; x is the previous kernel's output
-        gdc_wait()
+    pdl_wait(PDL)  # the weights are loading; x is the previous kernel's output
     # Every row's result is kept until one store at the end: a store between the rows would hold the
     # next row's load behind it (the compiler must assume y may alias x).
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

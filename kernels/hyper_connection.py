@@ -2,7 +2,9 @@
 
 With streams ``H [T, hc * hidden]`` and ``normed = rms_norm(H, w, eps, group_size=hidden)`` a
 ``GatedResidual`` runs two GEMMs (``down | inject`` on ``normed``, then ``up``) around two
-element-wise stages, which are the ones here:
+element-wise stages, which are the ones here (on a GPU, a mix of at most :data:`MIX_GEMV_ROWS` rows
+runs as two launches instead: the ``down | inject`` GEMV, then the gate, ``up`` and block input in one,
+``hyper_connection_triton.hc_mix_tail_triton``):
 
 * :func:`hc_gate_act`: ``silu(down_out / hc)``, the low-rank activation between the two GEMMs;
 * :func:`hc_block_input`: ``mean_s(sigmoid(up_out_s) * normed_s)`` -> the block input ``[T, hidden]``;

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
 from .gemv import MAX_K, MAX_ROWS
 from .hyper_connection import hc_residual_norm_ref
+from .pdl_triton import pdl_launch_next, pdl_wait
 
 MAX_HIDDEN = 16384  # one stream slice is normalised in registers; wider ones take the reference
 
@@ -54,12 +54,10 @@ def stream_slice(hidden, HC: tl.constexpr, BLOCK: tl.constexpr):
 def _hc_residual_norm_kernel(h_ptr, b_ptr, l_ptr, w_ptr, new_ptr, normed_ptr, hidden,
                              stride_h, stride_b, stride_l, stride_new, stride_normed, eps,
                              HC: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
+    pdl_launch_next(PDL)
     row, s, cols, mask, feat = stream_slice(hidden, HC, BLOCK)
     w = tl.load(w_ptr + feat, mask=mask, other=0.0).to(tl.float32)
-    if PDL:  # the norm weight is loading; the rest is the previous kernels' output
-        gdc_wait()
+    pdl_wait(PDL)  # the norm weight is loading; the rest is the previous kernels' output
     dt = new_ptr.dtype.element_ty
     # inject = 2 * sigmoid(logit / hc), rounded after the division and the sigmoid like the reference.
     logit = tl.load(l_ptr + row * stride_l + s).to(tl.float32)
@@ -171,8 +169,7 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
                         BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK_H`` block-input features of every row: the gate activation of the row's ``down`` output,
     the ``up`` projection's ``HC`` weight rows of those features (one per stream), and the gated mean."""
-    if PDL:
-        gdc_launch_dependents()
+    pdl_launch_next(PDL)
     # The HC_PAD * BLOCK_H weight rows of this program's features, stream-major: i = s * BLOCK_H + j.
     i = tl.arange(0, HC_PAD * BLOCK_H)
     s = i // BLOCK_H
@@ -183,8 +180,7 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
     rmask = r < lowrank
     w = tl.load(w_ptr + feat.to(tl.int64)[:, None] * stride_w + r[None, :],
                 mask=fmask[:, None] & rmask[None, :], other=0.0).to(tl.float32)
-    if PDL:  # the weights are loading; the rest is the previous kernels' output
-        gdc_wait()
+    pdl_wait(PDL)  # the weights are loading; the rest is the previous kernels' output
     hh = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     streams = tl.arange(0, HC_PAD)
     rows = tl.arange(0, BLOCK_M)

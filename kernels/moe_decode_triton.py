@@ -35,9 +35,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import pdl
+from .pdl_triton import pdl_enter
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
 # warp they need no shared memory. Measured at 512 experts with scripts/bench_decode_kernels.py.
@@ -45,19 +45,10 @@ ROUTE_WARPS = 1
 
 
 @triton.jit
-def _pdl_enter(PDL: tl.constexpr):
-    """With PDL (``kernels/pdl``): let the next kernel launch, and wait for the previous one to finish
-    (everything these kernels read is its output or depends on it)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
                   PDL: tl.constexpr):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < n_experts
@@ -111,10 +102,14 @@ class GemvConfig:
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
 # shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py: gate_up
-# 8 columns and 512-wide reduction tiles at every size from 1 to 64 tokens (docs/device/2026-11-29e/call2/);
-# the per-assignment down kernel 32 columns at 1, 8, 32 and 64 tokens (33.1 / 139.5 / 447.5 / 845.4 us,
-# against 34.1 / 157.4 / 519.0 / 946.0 with 16; docs/device/2026-11-29f/call5/).
+# up to 8 tokens 2 columns a program over the whole 2,048-wide reduction in one tile (its loads all in
+# flight at once): 28.6 / 45.2 / 132.7 us for the layer's MoE at 1 / 2 / 8 tokens, against 30.2 / 47.0 /
+# 139.5 with 8 columns and 512-wide tiles (docs/device/2026-11-30i/call4/), which larger batches keep
+# (docs/device/2026-11-29e/call2/, measured from 1 to 64 tokens); the per-assignment down kernel 32 columns
+# at 1, 8, 32 and 64 tokens (33.1 / 139.5 / 447.5 / 845.4 us, against 34.1 / 157.4 / 519.0 / 946.0 with
+# 16; docs/device/2026-11-29f/call5/).
 CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
+    (8, GemvConfig(2, 2048, 4), GemvConfig(32, 512, 4)),
     (1 << 62, GemvConfig(8, 512, 4), GemvConfig(32, 512, 4)),
 )
 
@@ -131,7 +126,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -185,7 +180,7 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_p
                  PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
     shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -214,7 +209,7 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """``sum_k w_k * part_k`` over a token's routed experts in order, then plus the shared expert's part;
     fp32, one rounding."""
-    _pdl_enter(PDL)
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

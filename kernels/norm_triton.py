@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .norm import gated_rms_norm_ref, rms_norm_ref
+from .pdl_triton import pdl_enter
 
 MAX_WIDTH = 16384  # widest row (or group) normalised in registers; wider ones take the reference
 
@@ -36,7 +38,8 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, groups, group, stride_x, stride_o, eps,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # "Rows" here are groups: group-row r is features [(r % groups) * group, +group) of row r // groups.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
@@ -53,7 +56,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, groups, group, stride_x, str
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, heads, width, sx_t, sx_h, sg_t, sg_h, stride_o,
                            eps, SILU: tl.constexpr, ROUND_MID: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     # Row r is head r % heads of token r // heads, addressed through each input's own strides.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     t, h_idx = rows // heads, rows % heads
@@ -92,7 +96,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     block_r, block_n, num_warps = _tile(group, n)
     _rms_norm_kernel[(triton.cdiv(n, block_r),)](
         x2, weight.contiguous(), out, n, width // group, group, x2.stride(0), width, float(eps),
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps)
+        BLOCK_R=block_r, BLOCK_N=block_n, PDL=pdl.enabled(x2), num_warps=num_warps, launch_pdl=pdl.enabled(x2))
     return out
 
 
@@ -123,14 +127,15 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
         x3, g3, weight.contiguous(), out, n, x3.shape[1], width, x3.stride(0), x3.stride(1), g3.stride(0),
         g3.stride(1), width, float(eps), SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r,
-        BLOCK_N=block_n, num_warps=num_warps)
+        BLOCK_N=block_n, PDL=pdl.enabled(x3), num_warps=num_warps, launch_pdl=pdl.enabled(x3))
     return out
 
 
 @triton.jit
 def _rms_norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, dim, rot, eps,
                             sx_t, sx_h, sc_t, so_t, so_h,
-                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -172,5 +177,6 @@ def rms_norm_rotary_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, co
         _rms_norm_rotary_kernel[(tokens,)](
             x, weight.contiguous(), cos, sin, out, tokens, heads, dim, rot, float(eps),
             x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=min(16, max(1, block_h * block_d // 512)))
+            BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl.enabled(x), num_warps=min(16, max(1, block_h * block_d // 512)),
+            launch_pdl=pdl.enabled(x))
     return out

@@ -22,6 +22,7 @@ from tidal.executor.layers import hyper_connection as hc_layer  # noqa: E402
 from tidal.executor.layers.hyper_connection import GatedResidual  # noqa: E402
 from tidal.kernels import gemv as gemv_ops  # noqa: E402
 from tidal.kernels import hyper_connection as hc_ops  # noqa: E402
+from tidal.kernels import pdl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,12 @@ def test_layer_mix_of_many_rows_keeps_the_gemms(tri, monkeypatch):
     torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_pdl_needs_cuda_and_can_be_turned_off(monkeypatch):
+    assert not pdl.enabled(torch.zeros(1))
+    monkeypatch.setenv("TIDAL_PDL", "0")
+    assert not pdl.enabled(torch.zeros(1, device=DEV))
+
+
 # ---------------------------------------------------------------- the bench model's shapes on the GPU
 
 HC, HIDDEN, LOWRANK = 4, 2048, 320
@@ -162,6 +169,8 @@ def _assert_near(got, want, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
+    monkeypatch.setenv("TIDAL_PDL", "1")
+    assert pdl.enabled(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     shapes = [(LOWRANK + HC + 4, HC * HIDDEN), (512, HIDDEN), (HIDDEN, 4096), (12352, HIDDEN)]
     for rows in (1, 2, 4, 8):
         for n_out, k_in in shapes:
@@ -172,6 +181,9 @@ def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
             want = F.linear(x.double(), w.double()).to(dtype)
             _assert_near(got, want, dtype)
             assert torch.equal(got[:1], tri[0].gemv_triton(x[:1], w))  # a row's result whatever its batch
+            monkeypatch.setenv("TIDAL_PDL", "0")  # the launch mode changes no value
+            assert torch.equal(got, tri[0].gemv_triton(x, w))
+            monkeypatch.setenv("TIDAL_PDL", "1")
         for use_combine in (True, False):
             m = _module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
             normed = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)

@@ -64,7 +64,8 @@ class GatedResidual(nn.Module):
         """``(block_input [T, hidden], inject_logits [T, hc] or None)`` from already-normalised streams.
 
         On the GPU the down and inject projections are one GEMM (``normed`` is the biggest operand,
-        read once) and the logits come back as a column slice of its output.
+        read once) and the logits come back as a column slice of its output; a decode step's few rows
+        (at most ``MIX_GEMV_ROWS``) run the whole mix as two weight-streaming launches (``_mix_rows``).
         """
         hc = self.hc_count
         group = tp()
