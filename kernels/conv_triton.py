@@ -174,13 +174,11 @@ def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         return out
     block_c = min(256, triton.next_power_of_2(channels))
     grid = (batch, triton.cdiv(channels, block_c))
-    use_pdl = pdl.enabled(x)
     _conv_update_kernel[grid](
         x, states, weight, out, slots, _as_bytes(fresh),
         channels,
         x.stride(0), x.stride(1), states.stride(0), states.stride(1), states.stride(2),
         weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl,
+        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, num_warps=4, **pdl.launch_args(x),
     )
     return out

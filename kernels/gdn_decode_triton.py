@@ -79,7 +79,6 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     block_v = min(32, triton.next_power_of_2(dv))
     fresh = fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh
     grid = (batch, v_heads, triton.cdiv(dv, block_v))
-    use_pdl = pdl.enabled(v)
     _gdn_decode_kernel[grid](
         q, k, v, g, beta, state_pool, out, slots, fresh,
         dk, dv, dk ** -0.5, 1e-6,
@@ -87,6 +86,6 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), state_pool.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUP=v_heads // k_heads, BK=block_k, BV=block_v, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        GROUP=v_heads // k_heads, BK=block_k, BV=block_v, num_warps=4, **pdl.launch_args(v),
     )
     return out

@@ -51,5 +51,5 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: to
         block_r = max(1, min(64, 2048 // block_h))
         _gates_kernel[(triton.cdiv(rows, block_r),)](a, b, a_log, dt_bias, g, beta, rows, heads, a.stride(0),
                                                      b.stride(0), BLOCK_R=block_r, BLOCK_H=block_h,
-                                                     PDL=pdl.enabled(a), num_warps=4, launch_pdl=pdl.enabled(a))
+                                                     num_warps=4, **pdl.launch_args(a))
     return g, beta

@@ -74,9 +74,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, tile: int = 4096, num_war
     if k_in == 0:
         return y.zero_()
     bn = block_n(n_out, k_in, tile)
-    use_pdl = pdl.enabled(x)
     _gemv_kernel[(triton.cdiv(n_out, bn),)](x, weight, y, n_out, k_in, x.stride(0), weight.stride(0), y.stride(0),
                                             ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn,
-                                            BLOCK_K=triton.next_power_of_2(k_in), PDL=use_pdl, num_warps=num_warps,
-                                            launch_pdl=use_pdl)
+                                            BLOCK_K=triton.next_power_of_2(k_in), num_warps=num_warps,
+                                            **pdl.launch_args(x))
     return y

@@ -109,11 +109,10 @@ def hc_residual_norm_triton(streams: torch.Tensor, block_out: torch.Tensor, inje
     if rows == 0:
         return new, normed
     block = triton.next_power_of_2(hidden)
-    use_pdl = pdl.enabled(streams)
     _hc_residual_norm_kernel[(rows * hc,)](
         h2, b2, l2, norm_weight.contiguous(), new, normed, hidden,
         h2.stride(0), b2.stride(0), l2.stride(0), width, width, float(eps),
-        HC=hc, BLOCK=block, PDL=use_pdl, num_warps=_num_warps(block), launch_pdl=use_pdl)
+        HC=hc, BLOCK=block, num_warps=_num_warps(block), **pdl.launch_args(streams))
     return new, normed
 
 
@@ -232,9 +231,9 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
     d2 = down_out if down_out.stride(1) == 1 else down_out.contiguous()
     w2 = up_weight if up_weight.stride(1) == 1 else up_weight.contiguous()
     n2 = normed if normed.stride(1) == 1 else normed.contiguous()
-    use_pdl = pdl.enabled(normed)
     _hc_mix_tail_kernel[(triton.cdiv(hidden, block_h),)](
         d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
         ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, HC_PAD=triton.next_power_of_2(hc), BLOCK_H=block_h,
-        BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
+        BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps,
+        **pdl.launch_args(normed))
     return out

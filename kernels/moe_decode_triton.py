@@ -84,10 +84,9 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if tokens:
         logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
         block = triton.next_power_of_2(experts)
-        use_pdl = pdl.enabled(logits)
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORM=renormalize,
-                                 PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl)
+                                 num_warps=num_warps, **pdl.launch_args(logits))
     return weights, ids
 
 
@@ -258,22 +257,21 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     per_token = top_k + (shared is not None)
     width = max(inter, s_inter)
     cfg_a, cfg_b = configs or pick_config(tokens)
-    use_pdl = pdl.enabled(x)
+    launch = pdl.launch_args(x)
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
-        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), PDL=use_pdl, num_warps=cfg_a.num_warps,
-        launch_pdl=use_pdl)
+        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
-        PDL=use_pdl, num_warps=cfg_b.num_warps, launch_pdl=use_pdl)
+        num_warps=cfg_b.num_warps, **launch)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         part, weights.contiguous(), out, hidden, out.stride(0), TOP_K=top_k, SHARED=shared is not None,
-        BLOCK_N=block, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl)
+        BLOCK_N=block, num_warps=4, **launch)
     return out

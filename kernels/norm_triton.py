@@ -96,7 +96,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     block_r, block_n, num_warps = _tile(group, n)
     _rms_norm_kernel[(triton.cdiv(n, block_r),)](
         x2, weight.contiguous(), out, n, width // group, group, x2.stride(0), width, float(eps),
-        BLOCK_R=block_r, BLOCK_N=block_n, PDL=pdl.enabled(x2), num_warps=num_warps, launch_pdl=pdl.enabled(x2))
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps, **pdl.launch_args(x2))
     return out
 
 
@@ -127,7 +127,7 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     _gated_rms_norm_kernel[(triton.cdiv(n, block_r),)](
         x3, g3, weight.contiguous(), out, n, x3.shape[1], width, x3.stride(0), x3.stride(1), g3.stride(0),
         g3.stride(1), width, float(eps), SILU=activation == "silu", ROUND_MID=round_mid, BLOCK_R=block_r,
-        BLOCK_N=block_n, PDL=pdl.enabled(x3), num_warps=num_warps, launch_pdl=pdl.enabled(x3))
+        BLOCK_N=block_n, num_warps=num_warps, **pdl.launch_args(x3))
     return out
 
 
@@ -177,6 +177,6 @@ def rms_norm_rotary_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, co
         _rms_norm_rotary_kernel[(tokens,)](
             x, weight.contiguous(), cos, sin, out, tokens, heads, dim, rot, float(eps),
             x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-            BLOCK_H=block_h, BLOCK_D=block_d, PDL=pdl.enabled(x), num_warps=min(16, max(1, block_h * block_d // 512)),
-            launch_pdl=pdl.enabled(x))
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=min(16, max(1, block_h * block_d // 512)),
+            **pdl.launch_args(x))
     return out

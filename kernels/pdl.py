@@ -4,9 +4,10 @@ A decode step is a chain of small kernels, each a few microseconds, and between 
 drains one grid and starts the next. A kernel launched with PDL may start while the kernel before it
 is still finishing: its programs run up to ``gdc_wait()`` (which returns once the previous grid has
 completed and its writes are visible), so whatever they do first overlaps the previous kernel's tail.
-The weight-streaming kernels load their weights (which nothing in a step writes) before the wait and
-the activations after it. Such a kernel also calls ``gdc_launch_dependents()`` on entry, so that the
-next PDL kernel may be scheduled as soon as SMs free up. A kernel that reads or writes anything the
+The weight-streaming kernels load their weights before the wait (nothing in a step writes them, and
+``StackedWeight`` synchronises once it has built a stack) and the activations after it. Each of these
+kernels calls ``gdc_launch_dependents()`` on entry, so that the next PDL kernel may be scheduled as soon
+as SMs free up. A kernel that reads or writes anything the
 previous kernel may touch does so only after ``gdc_wait()``; both calls are no-ops in a launch without
 PDL. Captured in a CUDA graph the launches become programmatic edges.
 
@@ -28,6 +29,13 @@ def _supported(device: int) -> bool:
     except ImportError:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_args(t: torch.Tensor) -> dict[str, bool]:
+    """A Triton launch's PDL arguments for kernels over ``t``: the kernel's ``PDL`` constexpr (which compiles
+    the ``kernels/pdl_triton`` calls in) and the launch option, both :func:`enabled`."""
+    on = enabled(t)
+    return {"PDL": on, "launch_pdl": on}
 
 
 def enabled(t: torch.Tensor) -> bool:

@@ -64,6 +64,10 @@ class StackedWeight:
                 if lin.weight.dtype == stack.dtype:
                     lin.weight.data = stack[offset:offset + size]
                 offset += size
+            if stack.is_cuda and not torch.cuda.is_current_stream_capturing():
+                # Kernels launched with PDL (kernels/pdl) load their weights before they wait for the kernel
+                # before them: the stack is complete in memory before any kernel can read it.
+                torch.cuda.current_stream(stack.device).synchronize()
             self._stack = stack
             self._key = self._weights_key()
         return self._stack
