@@ -18,8 +18,9 @@ if _INTERPRET:  # never on a GPU machine: it would turn every kernel of the sess
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cpu" if _INTERPRET else "cuda"
 
+from test_kernel_hc_norm import _hc_module  # noqa: E402  (this folder is on sys.path)
+
 from tidal.executor.layers import hyper_connection as hc_layer  # noqa: E402
-from tidal.executor.layers.hyper_connection import GatedResidual  # noqa: E402
 from tidal.kernels import gemv as gemv_ops  # noqa: E402
 from tidal.kernels import hyper_connection as hc_ops  # noqa: E402
 from tidal.kernels import pdl  # noqa: E402
@@ -93,18 +94,6 @@ def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
         tri[1].hc_mix_tail_triton(down, up_w[:-1], normed, hc)
 
 
-def _module(hc, hidden, lowrank, seed, dtype=torch.float32, use_combine=True):
-    torch.manual_seed(seed)
-    m = GatedResidual(hc, hidden, lowrank, 1e-6, use_combine=use_combine)
-    width = hc * hidden
-    m.hc_norm.weight.copy_(0.2 * torch.randn(width))
-    m.input_mix_weight_down.weight.copy_(torch.randn(lowrank, width) / width ** 0.5)
-    m.input_mix_weight_up.weight.copy_(torch.randn(width, lowrank) / lowrank ** 0.5)
-    if use_combine:
-        m.block_inject_weight.weight.copy_(torch.randn(hc, width) / width ** 0.5)
-    return m.to(device=DEV, dtype=dtype)
-
-
 def _mix_both_ways(monkeypatch, m, normed):
     """``m.mix(normed)`` with the kernels' dispatch on, and with every hyper-connection op in torch."""
     monkeypatch.setattr(hc_layer, "use_triton", lambda t, name=None: True)
@@ -120,7 +109,7 @@ def _mix_both_ways(monkeypatch, m, normed):
 def test_layer_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_combine):
     """``GatedResidual.mix`` of a few rows runs the two launches (the stacked weight's GEMV: inject logits
     are its column view; the final mixer has none) and equals the torch path."""
-    m = _module(3, 48, 20, seed=rows, use_combine=use_combine)
+    m = _hc_module(3, 48, 20, seed=rows, use_combine=use_combine)
     normed = torch.randn(rows, 3 * 48, device=DEV)
     calls = []
     real = tri[0].gemv_triton
@@ -135,7 +124,7 @@ def test_layer_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_com
 
 
 def test_layer_mix_of_many_rows_keeps_the_gemms(tri, monkeypatch):
-    m = _module(3, 48, 20, seed=0)
+    m = _hc_module(3, 48, 20, seed=0)
     normed = torch.randn(hc_ops.MIX_GEMV_ROWS + 1, 3 * 48, device=DEV)
     monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: pytest.fail("a GEMV for a GEMM's rows"))
     (x, logits), (x_ref, logits_ref) = _mix_both_ways(monkeypatch, m, normed)
@@ -185,7 +174,7 @@ def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
             assert torch.equal(got, tri[0].gemv_triton(x, w))
             monkeypatch.setenv("TIDAL_PDL", "1")
         for use_combine in (True, False):
-            m = _module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
+            m = _hc_module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
             normed = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)
             monkeypatch.setenv("TIDAL_KERNELS", "triton")
             got = m.mix(normed)
