@@ -231,9 +231,7 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
     out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
     if rows == 0:
         return out
-    d2 = down_out if down_out.stride(1) == 1 else down_out.contiguous()
-    w2 = up_weight if up_weight.stride(1) == 1 else up_weight.contiguous()
-    n2 = normed if normed.stride(1) == 1 else normed.contiguous()
+    d2, w2, n2 = _rows(down_out, lowrank), _rows(up_weight, lowrank), _rows(normed, width)
     _hc_mix_tail_kernel[(triton.cdiv(hidden, block_h),)](
         d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
         ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, HC_PAD=triton.next_power_of_2(hc), BLOCK_H=block_h,

@@ -7,9 +7,9 @@ completed and its writes are visible), so whatever they do first overlaps the pr
 The weight-streaming kernels load their weights before the wait (nothing in a step writes them, and
 ``StackedWeight`` synchronises once it has built a stack) and the activations after it. Each of these
 kernels calls ``gdc_launch_dependents()`` on entry, so that the next PDL kernel may be scheduled as soon
-as SMs free up. A kernel that reads or writes anything the
-previous kernel may touch does so only after ``gdc_wait()``; both calls are no-ops in a launch without
-PDL. Captured in a CUDA graph the launches become programmatic edges.
+as SMs free up. A kernel that reads or writes anything the previous kernel may touch does so only after
+``gdc_wait()``; both calls are no-ops in a launch without PDL. Captured in a CUDA graph the launches
+become programmatic edges.
 
 ``TIDAL_PDL=0`` turns it off (read at each launch: a graph keeps the launches it was captured with).
 """
@@ -24,10 +24,7 @@ import torch
 
 @functools.cache
 def _supported(device: int) -> bool:
-    try:
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
-    except ImportError:
-        return False
+    """SM 9.0 or later (the kernels' modules import ``kernels/pdl_triton``, so triton has the calls)."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
