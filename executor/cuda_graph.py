@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ..kernels.backend import use_triton
 from .forward_batch import ForwardBatch, QSABlocks, RowGroup
 from .upload import device_ints
 
@@ -59,6 +60,7 @@ class DecodeGraphs:
         self.pad_slot, self.pad_page = pad_slot, pad_page
         self.ratio = config.indexer_compress_ratio if config.has_qsa else 0
         self.ngram_eos = config.ple_eos_id if config.ple_layer_ids else 0
+        self.rotary = model.model.rotary if config.attention_layers else None
         long = dict(dtype=torch.long, device=device)
         # Rows: token id, position, slot, fresh. Host side pinned on CUDA (one async copy per step).
         self.inputs = torch.zeros(4, max_batch, **long)
@@ -185,14 +187,13 @@ class DecodeGraphs:
         fb = self._forward_batch(size, blocks)
         streams, pending = self.model(fb)
         self.logits[:size].copy_(self.model.logits(streams, pending, self._rows[:size]))
-        width = self.states.ngram_context.shape[1]
-        if width:  # the slot's n-gram context moves on by this row's token
-            ctx = torch.cat([fb.ngram_context[:, 1:], fb.input_ids[:, None]], dim=1)
-            self.states.ngram_context[fb.all.slots] = ctx
 
     def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
         """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer
-        on the device (``build_forward_batch`` for this case, with no host values)."""
+        on the device (``build_forward_batch`` for this case, with no host values). The slots' n-gram
+        contexts move on by the rows' tokens here (the forward reads the contexts before them)."""
+        if use_triton(self.inputs, "decode_prep"):
+            return self._forward_batch_triton(b, blocks)
         positions, slots = self.inputs[1, :b], self.inputs[2, :b]
         ids = torch.where(self.inputs[0, :b] < 0, self.last_ids[slots], self.inputs[0, :b])
         fresh = self.inputs[3, :b].bool()
@@ -203,15 +204,11 @@ class DecodeGraphs:
             return page_table.gather(1, pos // ps).long() * ps + pos % ps
 
         kv_write_rows = rows_of(positions[:, None])[:, 0]
-        group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
-                         lengths=self._ones[:b], slots=slots, fresh=fresh, kv_lens=(positions + 1).int(),
-                         page_table=page_table)
-        none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
-                        lengths=self._empty, slots=self._empty, fresh=self._empty.bool(),
-                        kv_lens=self._cu[:0], page_table=page_table[:0])
         width = self.states.ngram_context.shape[1]
         ctx = self.states.ngram_context[slots]
         ngram_context = torch.where(fresh[:, None], torch.full_like(ctx, self.ngram_eos), ctx) if width else ctx
+        if width:
+            self.states.ngram_context[slots] = torch.cat([ngram_context[:, 1:], ids[:, None]], dim=1)
         qsa = None
         if self.ratio:
             r = self.ratio
@@ -223,6 +220,34 @@ class DecodeGraphs:
             cols = (last // ps).clamp(max=self.max_pages - 1)
             qsa = QSABlocks(ratio=r, new_rows=rows_of(block_pos), new_pos=first.clamp(min=0),
                             key_rows=page_table[:, cols].long() * ps + last % ps, max_blocks=blocks)
+        return self._assemble(b, ids, positions, slots, fresh, page_table, kv_write_rows, ngram_context, qsa)
+
+    def _forward_batch_triton(self, b: int, blocks: int) -> ForwardBatch:
+        """``_forward_batch``'s tensors from one kernel (``kernels/decode_prep_triton``)."""
+        from ..kernels.decode_prep_triton import decode_prep
+
+        rotary = self.rotary
+        dtype = self.model.model.embed_tokens.weight.dtype
+        p = decode_prep(self.inputs[:, :b], self.last_ids, self.slot_pages, self.page_size, self.states.ngram_context,
+                        self.ngram_eos, rotary.inv_freq(self.device) if rotary else None, dtype, self.ratio, blocks)
+        qsa = None
+        if self.ratio:
+            qsa = QSABlocks(ratio=self.ratio, new_rows=p["new_rows"], new_pos=p["new_pos"], key_rows=p["key_rows"],
+                            max_blocks=blocks)
+        fb = self._assemble(b, p["ids"], self.inputs[1, :b], self.inputs[2, :b], p["fresh"], p["page_table"],
+                            p["kv_rows"], p["ngram_context"], qsa, kv_lens=p["kv_lens"])
+        if rotary:
+            fb.rope = (p["cos"], p["sin"])
+        return fb
+
+    def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, ngram_context, qsa,
+                  kv_lens=None) -> ForwardBatch:
+        group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
+                         lengths=self._ones[:b], slots=slots, fresh=fresh,
+                         kv_lens=(positions + 1).int() if kv_lens is None else kv_lens, page_table=page_table)
+        none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
+                        lengths=self._empty, slots=self._empty, fresh=self._empty.bool(),
+                        kv_lens=self._cu[:0], page_table=page_table[:0])
         return ForwardBatch(
             input_ids=ids, positions=positions, segments=[], kv=self.kv, states=self.states,
             all=group, decode=group, prefill=none, kv_write_rows=kv_write_rows, row_segment=self._rows[:b],

@@ -33,6 +33,7 @@ def _triton_importable() -> bool:
 KERNELS = (
     "attention",      # paged prefill/decode attention (kernels/attention)
     "conv",           # causal conv1d varlen and its decode step (kernels/conv)
+    "decode_prep",    # a decode graph's per-row tensors (kernels/decode_prep_triton)
     "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
     "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
     "gemv",           # projections of a decode step's few rows (kernels/gemv)

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: GPU busy against the host's share, through the real scheduler.
 
     python scripts/profile_decode.py --out DIR [--preset bench] [--batches 1,8,32] [--contexts 16,8192]
-        [--steps 24] [--graphs on,off] [--kernel-table N]
+        [--steps 24] [--graphs on,off] [--kernel-table N] [--kernel-order]
 
 For each batch size and context, ``batch`` requests of ``context`` random prompt ids are prefilled and
 then decoded by ``LLM``'s own loop (scheduler + runner in one process: what the executor does per
@@ -57,7 +57,21 @@ def kernel_table(prof, steps: int, top: int) -> str:
     return "\n".join(lines)
 
 
-def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool, top: int = 0) -> dict:
+def kernel_order(prof) -> str:
+    """The kernels of one step in launch order with their microseconds: those between the last two
+    launches of the step's longest kernel (the vocabulary projection, once a step)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    longest = max(spans, key=lambda s: s[1] - s[0])[2]
+    marks = [i for i, s in enumerate(spans) if s[2] == longest]
+    if len(marks) < 2:
+        return "  fewer than two steps profiled"
+    lo, hi = marks[-2] + 1, marks[-1] + 1
+    return "\n".join(f"  {i:4d} {end - start:7.1f}  {name[:110]}" for i, (start, end, name) in enumerate(spans[lo:hi]))
+
+
+def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool, top: int = 0,
+        order: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
     rids = [f"p{seed}-{i}" for i in range(batch)]
     for rid in rids:
@@ -100,6 +114,8 @@ def run(llm: LLM, batch: int, context: int, steps: int, seed: int, graphs: bool,
           f"{row['tok_per_s']:.1f} tok/s", flush=True)
     if top:
         print(kernel_table(prof, n, top), flush=True)
+    if order:
+        print(kernel_order(prof), flush=True)
     return row
 
 
@@ -112,6 +128,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--graphs", default="on,off", help="arms: on (CUDA graphs), off (eager steps)")
     ap.add_argument("--kernel-table", type=int, default=0, help="print the top N kernels of each row")
+    ap.add_argument("--kernel-order", action="store_true", help="print one step's kernels in launch order")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
@@ -132,7 +149,7 @@ def main() -> None:
         for context in contexts:
             for batch in batches:
                 rows.append(run(llm, batch, context, ns.steps, seed=len(rows), graphs=mode == "on",
-                                top=ns.kernel_table))
+                                top=ns.kernel_table, order=ns.kernel_order))
                 with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
                     json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
 

@@ -27,12 +27,16 @@ class Rotary(nn.Module):
                                           / rotary_dim))
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The fp32 inverse frequencies ``[rotary_dim / 2]`` on ``device`` (copied there once)."""
+        inv_freq = self._on_device.get(device)
+        if inv_freq is None:
+            inv_freq = self._on_device[device] = self._inv_freq.to(device)
+        return inv_freq
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, rotary_dim]`` cos and sin for integer ``positions [T]``."""
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self._inv_freq.to(positions.device)
-        freqs = positions.float().unsqueeze(-1) * inv_freq
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

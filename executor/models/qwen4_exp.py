@@ -127,7 +127,7 @@ class Qwen4ExpModel(nn.Module):
         gathered back in token order.
         """
         streams = self.embed(batch.input_ids)
-        if self.config.attention_layers:
+        if self.config.attention_layers and batch.rope is None:  # a decode graph's prologue sets it
             batch.rope = self.rotary.cos_sin(batch.positions, streams.dtype)
         pending = None
         own = None
