@@ -109,7 +109,8 @@ def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.
         cos, sin = torch.empty(b, rot, dtype=dtype, device=dev), torch.empty(b, rot, dtype=dtype, device=dev)
         out.update(cos=cos, sin=sin)
     if ratio:
-        new_rows, new_pos, key_rows = torch.empty(b, ratio, **long), torch.empty(b, **long), torch.empty(b, blocks, **long)
+        new_rows, new_pos = torch.empty(b, ratio, **long), torch.empty(b, **long)
+        key_rows = torch.empty(b, blocks, **long)
         out.update(new_rows=new_rows, new_pos=new_pos, key_rows=key_rows)
     if b:
         pow2 = triton.next_power_of_2

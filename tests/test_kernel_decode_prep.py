@@ -37,7 +37,7 @@ def _check(graphs, rows: list[tuple[int, int, int]], seed: int) -> None:
     graphs.last_ids.copy_(torch.randint(0, 5000, graphs.last_ids.shape, generator=g))
     ctx = graphs.states.ngram_context
     ctx.copy_(torch.randint(0, 5000, ctx.shape, generator=g))
-    ids, positions, slots = (list(c) for c in zip(*rows))
+    ids, positions, slots = (list(c) for c in zip(*rows, strict=True))
     graphs._fill(ids, positions, slots)
     size, blocks = graphs._shape(positions)
     before = ctx.clone()
