@@ -81,8 +81,8 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
             b = b0 + tl.arange(0, BLOCK_B)
             bmask = b < blocks
             last = (b + 1) * ratio - 1
-            page = tl.load(pages + tl.minimum(last // page_size, max_pages - 1), mask=bmask, other=0).to(tl.int64)
-            tl.store(key_rows_ptr + t * stride_kr + b, page * page_size + last % page_size, mask=bmask)
+            key_page = tl.load(pages + tl.minimum(last // page_size, max_pages - 1), mask=bmask, other=0).to(tl.int64)
+            tl.store(key_rows_ptr + t * stride_kr + b, key_page * page_size + last % page_size, mask=bmask)
 
 
 def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.Tensor, page_size: int,

@@ -132,34 +132,55 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
 
 
 @triton.jit
+def norm_rotary(x, xp, w, wp, c, s, d, dim, rot, eps, dt: tl.constexpr):
+    """Heads ``x [H, D]`` (fp32) RMS-normalised with weight ``w [D]`` (scale ``1 + w``), then rotated over the
+    first ``rot`` features by ``c, s [D]``; ``xp``, ``wp`` are ``x`` and ``w`` at each feature's rotate_half
+    partner. The references' roundings to ``dt``: the norm's output, then each product and the sum. fp32
+    values (exact in ``dt``) for the caller to store."""
+    half = rot // 2
+    inv = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
+    y = (x * inv * (1.0 + w[None, :])).to(dt).to(tl.float32)
+    yp = (xp * inv * (1.0 + wp[None, :])).to(dt).to(tl.float32)
+    yp = tl.where((d < half)[None, :], -yp, yp)
+    rotated = ((y * c[None, :]).to(dt).to(tl.float32) + (yp * s[None, :]).to(dt).to(tl.float32))
+    return tl.where((d < rot)[None, :], rotated, y)
+
+
+@triton.jit
+def norm_rotary_heads(x_ptr, sx_h, w_ptr, cos_ptr, sin_ptr, heads, dim, rot, eps, dt: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """:func:`norm_rotary` of the ``heads`` heads of one token at ``x_ptr`` (head stride ``sx_h``, unit feature
+    stride), with that token's ``cos``/``sin`` rows: ``[BLOCK_H, BLOCK_D]``."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < dim
+    mask = (h < heads)[:, None] & dmask[None, :]
+    half = rot // 2
+    # Rotated features pair j with j +- half (rotate_half); the rest pass through.
+    in_rot = d < rot
+    partner = tl.where(d < half, d + half, d - half)
+    base = x_ptr + h[:, None] * sx_h
+    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + partner[None, :], mask=mask & in_rot[None, :], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + d, mask=in_rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + d, mask=in_rot, other=0.0).to(tl.float32)
+    return norm_rotary(x, xp, w, wp, c, s, d, dim, rot, eps, dt)
+
+
+@triton.jit
 def _rms_norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_rows, heads, dim, rot, eps,
                             sx_t, sx_h, sc_t, so_t, so_h,
                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    out = norm_rotary_heads(x_ptr + t * sx_t, sx_h, w_ptr, cos_ptr + t * sc_t, sin_ptr + t * sc_t, heads, dim, rot,
+                            eps, dt, BLOCK_H, BLOCK_D)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    dmask = d < dim
-    mask = (h < heads)[:, None] & dmask[None, :]
-    dt = out_ptr.dtype.element_ty
-    half = rot // 2
-    # Rotated features pair j with j +- half (rotate_half); the rest pass through.
-    in_rot = d < rot
-    partner = tl.where(d < half, d + half, d - half)
-    base = x_ptr + t * sx_t + h[:, None] * sx_h
-    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner[None, :], mask=mask & in_rot[None, :], other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, axis=1) / dim + eps)[:, None]
-    w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
-    # The references' roundings: the norm's output, then each product and the sum, in x's dtype.
-    y = (x * inv * (1.0 + w[None, :])).to(dt).to(tl.float32)
-    yp = (xp * inv * (1.0 + wp[None, :])).to(dt).to(tl.float32)
-    yp = tl.where((d < half)[None, :], -yp, yp)
-    c = tl.load(cos_ptr + t * sc_t + d, mask=in_rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * sc_t + d, mask=in_rot, other=0.0).to(tl.float32)
-    rotated = ((y * c[None, :]).to(dt).to(tl.float32) + (yp * s[None, :]).to(dt).to(tl.float32))
-    out = tl.where(in_rot[None, :], rotated, y)
+    mask = (h < heads)[:, None] & (d < dim)[None, :]
     tl.store(out_ptr + t * so_t + h[:, None] * so_h + d[None, :], out.to(dt), mask=mask)
 
 

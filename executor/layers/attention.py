@@ -49,6 +49,13 @@ class QSAIndexer(nn.Module):
         qsa, kv = batch.qsa, batch.kv
         if not qsa.new_pos.numel():
             return
+        if use_triton(qsa.new_rows, "norm_rotary") and self.k_layernorm.group_size is None:
+            from ...kernels.attention_rows_triton import qsa_block_keys
+
+            qsa_block_keys(kv.flat(kv.index_k, layer), qsa.new_rows, qsa.new_pos, self.k_layernorm.weight,
+                           self.k_layernorm.eps, rotary.inv_freq(qsa.new_rows.device),
+                           kv.flat(kv.index_block_k, layer))
+            return
         raw = kv.flat(kv.index_k, layer)[qsa.new_rows]  # [Mb, ratio, d]
         pooled = raw.float().mean(dim=1).to(raw.dtype)
         cos, sin = rotary.cos_sin(qsa.new_pos, pooled.dtype)
@@ -125,16 +132,20 @@ class GatedAttention(nn.Module):
         else:
             q_gate, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = Rotary.norm_apply(self.q_norm, q, cos, sin)
-        k = Rotary.norm_apply(self.k_norm, k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         rows = batch.kv_write_rows
-        kv.flat(kv.k, layer)[rows] = k
-        kv.flat(kv.v, layer)[rows] = v
+        if self._rows_kernel(x, index_qk):  # norms, rotary and the cache writes in one launch
+            q, index_q = self._rows_triton(q, k, v, index_qk, cos, sin, batch)
+        else:
+            q = Rotary.norm_apply(self.q_norm, q, cos, sin)
+            kv.flat(kv.k, layer)[rows] = Rotary.norm_apply(self.k_norm, k, cos, sin)
+            kv.flat(kv.v, layer)[rows] = v
+            if self.indexer is not None:
+                index_q, raw_index_k = self.indexer.project(x, cos, sin, index_qk)
+                kv.flat(kv.index_k, layer)[rows] = raw_index_k
         block_sel = None
         if self.indexer is not None:
-            index_q, raw_index_k = self.indexer.project(x, cos, sin, index_qk)
-            kv.flat(kv.index_k, layer)[rows] = raw_index_k
             self.indexer.write_block_keys(layer, batch, self.rotary)
             block_sel = self.indexer.select(layer, index_q, batch)
         a = batch.all
@@ -144,3 +155,23 @@ class GatedAttention(nn.Module):
         # The output gate is applied inside the attention, read where the projection wrote it (a strided view).
         # Under tensor parallelism the result is a partial sum over this rank's heads.
         return linear(out.reshape(tokens, -1), self.o_proj.weight, self.o_proj.bias)
+
+    def _rows_kernel(self, x: torch.Tensor, index_qk: torch.Tensor | None) -> bool:
+        """Whether ``kernels/attention_rows_triton`` takes the per-token work: on the GPU, with ungrouped norms
+        and the index projection computed in the stacked GEMM."""
+        norms = [self.q_norm, self.k_norm] + ([self.indexer.q_layernorm] if self.indexer else [])
+        return (use_triton(x, "norm_rotary") and all(n.group_size is None for n in norms)
+                and (self.indexer is None or index_qk is not None))
+
+    def _rows_triton(self, q, k, v, index_qk, cos, sin, batch: ForwardBatch):
+        from ...kernels.attention_rows_triton import attention_rows
+
+        kv, layer = batch.kv, self.layer_idx
+        index = None
+        if self.indexer is not None:
+            ix = self.indexer
+            iq, ik = index_qk.split([ix.n_heads * ix.head_dim, ix.head_dim], dim=-1)
+            index = (iq.view(q.shape[0], ix.n_heads, ix.head_dim), ik, (ix.q_layernorm.weight, ix.q_layernorm.eps),
+                     kv.flat(kv.index_k, layer))
+        return attention_rows(q, k, v, ((self.q_norm.weight, self.q_norm.eps), (self.k_norm.weight, self.k_norm.eps)),
+                              cos, sin, batch.kv_write_rows, kv.flat(kv.k, layer), kv.flat(kv.v, layer), index)

@@ -156,10 +156,13 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.model(batch, hc_shard)
 
     def logits(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor],
-               rows: torch.Tensor) -> torch.Tensor:
-        """Finish ``rows`` (the last residual), fold their streams and project to the vocabulary."""
+               rows: torch.Tensor | None) -> torch.Tensor:
+        """Finish ``rows`` (every row for ``None``): the last residual and the final mixer's norm in one pass,
+        then the fold of their streams and the projection to the vocabulary."""
         out, inject_logits = pending
-        inject = 2 * torch.sigmoid(inject_logits[rows] / self.config.hc_count)
-        final = GatedResidual.residual(streams[rows], out[rows], inject)
-        hidden, _ = self.model.hyper_connection_mixer(final)
+        if rows is not None:
+            streams, out, inject_logits = streams[rows], out[rows], inject_logits[rows]
+        mixer = self.model.hyper_connection_mixer
+        _, normed = mixer.add_and_norm(streams, out, inject_logits)
+        hidden, _ = mixer.mix(normed)
         return self.lm_head(hidden)
