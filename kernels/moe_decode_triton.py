@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .pdl_triton import pdl_enter
+from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
 # warp they need no shared memory. Measured at 512 experts with scripts/bench_decode_kernels.py.
@@ -125,7 +125,9 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
-    pdl_enter(PDL)
+    # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
+    pdl_wait(PDL)
+    pdl_launch_next(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -160,26 +162,17 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
 
 
 @triton.jit
-def _rows_dot(rows, a_row, n_red, cmask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``sum_i rows[n, i] * a_row[i]`` for the ``BLOCK_N`` rows at ``rows`` (row length ``n_red``), fp32."""
-    ks = tl.arange(0, BLOCK_K)
-    part = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, n_red, BLOCK_K):
-        kmask = k0 + ks < n_red
-        av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        part += tl.sum(d * av[None, :], 1)
-    return part
-
-
-@triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e,
                  TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
-    shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``."""
-    pdl_enter(PDL)
+    shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``.
+
+    Launched with PDL it starts while ``_gate_up_kernel`` finishes: the expert ids are the router's (whose
+    grid has completed once every gate_up program has passed its wait, see there), so a program loads its
+    first tile of weights before its own wait, and the activations after it."""
+    pdl_launch_next(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
@@ -189,16 +182,28 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_p
     col_off = cols.to(tl.int64)[:, None]
     if k < TOP_K:
         expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-        part = _rows_dot(down_ptr + expert * sd_e + col_off * inter, act_ptr + a * act_width, inter, cmask,
-                         BLOCK_N, BLOCK_K)
+        rows = down_ptr + expert * sd_e + col_off * inter
+        n_red = inter
     else:
-        ks = tl.arange(0, BLOCK_K)
+        rows = sdown_ptr + col_off * s_inter
+        n_red = s_inter
+    ks = tl.arange(0, BLOCK_K)
+    first = tl.load(rows + ks[None, :], mask=cmask[:, None] & (ks < n_red)[None, :], other=0.0)
+    pdl_wait(PDL)
+    a_row = act_ptr + a * act_width
+    av = tl.load(a_row + ks, mask=ks < n_red, other=0.0).to(tl.float32)
+    part = tl.sum(first.to(tl.float32) * av[None, :], 1)
+    for k0 in range(BLOCK_K, n_red, BLOCK_K):
+        kmask = k0 + ks < n_red
+        av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part += tl.sum(d * av[None, :], 1)
+    if k >= TOP_K:
         gate = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             kmask = k0 + ks < hidden
             xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
             gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        part = _rows_dot(sdown_ptr + col_off * s_inter, act_ptr + a * act_width, s_inter, cmask, BLOCK_N, BLOCK_K)
         part = part / (1.0 + tl.exp(-tl.sum(gate, 0)))
     tl.store(part_ptr + a * hidden + cols, part, mask=cmask)
 

@@ -7,7 +7,8 @@ completed and its writes are visible), so whatever they do first overlaps the pr
 The weight-streaming kernels load their weights before the wait (nothing in a step writes them, and
 ``StackedWeight`` synchronises once it has built a stack) and the activations after it. Each of these
 kernels calls ``gdc_launch_dependents()`` on entry, so that the next PDL kernel may be scheduled as soon
-as SMs free up. A kernel that reads or writes anything the previous kernel may touch does so only after
+as SMs free up; the decode MoE's gate_up kernel calls it after its wait instead, so that the down kernel
+after it may read the router's expert ids (and load those experts' weights) before its own wait. A kernel that reads or writes anything the previous kernel may touch does so only after
 ``gdc_wait()``; both calls are no-ops in a launch without PDL. Captured in a CUDA graph the launches
 become programmatic edges.
 
