@@ -18,8 +18,10 @@ count to a power of two, so that every tensor shape is fixed:
 * padding rows use a slot and a KV page that the scheduler never hands out (the pools hold one of
   each beyond its count), so they write nothing that a request reads.
 
-The graph ends with the logits of every row in fp32, in one buffer all graphs share; sampling and
-the end-of-segment checkpoint copies run after the replay as for an eager forward. Graphs are
+The graph ends with the logits of every row in the model's dtype, written by the vocabulary projection
+into one buffer all graphs share; sampling (which takes the arg-max of greedy rows in that dtype and
+works in fp32 otherwise) and the end-of-segment checkpoint copies run after the replay as for an eager
+forward. Graphs are
 captured when a shape is first met and share one memory pool. Without ``capture`` (the CPU) the same
 padded step runs eagerly, which is how CPU tests check it against the eager path.
 """
@@ -78,7 +80,7 @@ class DecodeGraphs:
         self._empty = torch.empty(0, **long)
         # Every graph writes its logits here, so captures share one output (the rest of their memory
         # is the pool's, reused from one graph to the next).
-        self.logits = torch.empty(max_batch, config.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.empty(max_batch, config.vocab_size, dtype=model.lm_head.weight.dtype, device=device)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.steps = 0  # decode steps run through the fixed-shape path
@@ -121,7 +123,8 @@ class DecodeGraphs:
     # -- the step ----------------------------------------------------------------------------------
 
     def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
-        """fp32 logits ``[len(ids), vocab]`` of one decode row per request (rows in the given order)."""
+        """Logits ``[len(ids), vocab]`` in the model's dtype of one decode row per request (rows in the given
+        order)."""
         n = len(ids)
         self.flush_pages()
         size, blocks = self.ensure(positions)
@@ -186,7 +189,7 @@ class DecodeGraphs:
     def _step(self, size: int, blocks: int) -> None:
         fb = self._forward_batch(size, blocks)
         streams, pending = self.model(fb)
-        self.logits[:size].copy_(self.model.logits(streams, pending, None))
+        self.model.logits(streams, pending, None, into=self.logits[:size])
 
     def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
         """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer

@@ -253,7 +253,7 @@ class ModelRunner:
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
         out = RunnerOutput(token_ids=[-1] * len(specs))
         if not self._samples_on_device(specs):
-            self._sample(out, specs, logits, {i: i for i in range(len(specs))})
+            self._sample(out, specs, logits.float(), {i: i for i in range(len(specs))})
             return Launched(out, finished=True)
         ids = self.sampler.sample(logits, [spec.sampling or GREEDY for spec in specs],
                                   [spec.sample_index for spec in specs])

@@ -100,13 +100,20 @@ class TokenCounts:
                 row[0][token] += 1
 
 
+def _adjusted_rows(params: list[SamplingParams], indices: list[int],
+                   counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None) -> tuple[list[int], ...]:
+    """The rows with a logit bias, a min_tokens ban in force, and penalties."""
+    bias = [r for r, p in enumerate(params) if p.logit_bias]
+    ban = [r for r, p in enumerate(params) if p.min_tokens_ban and indices[r] < p.min_tokens]
+    pen = [r for r, p in enumerate(params) if p.penalized and counts is not None and counts[r] is not None]
+    return bias, ban, pen
+
+
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                   counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
     """Penalties (batched over the rows that have them), logit bias and min_tokens on ``logits [N, V]``;
     the input itself when no row asks for any."""
-    bias = [r for r, p in enumerate(params) if p.logit_bias]
-    ban = [r for r, p in enumerate(params) if p.min_tokens_ban and indices[r] < p.min_tokens]
-    pen = [r for r, p in enumerate(params) if p.penalized and counts is not None and counts[r] is not None]
+    bias, ban, pen = _adjusted_rows(params, indices, counts)
     if not (bias or ban or pen):
         return logits
     logits = logits.clone()
@@ -143,7 +150,14 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """:meth:`__call__`'s ids as a device tensor ``[N]``, with no device sync on the way (parameters
-        go up as non-blocking copies): a decode step can be sampled before the one before it is done."""
+        go up as non-blocking copies): a decode step can be sampled before the one before it is done.
+
+        ``logits`` may be in a narrower float dtype (a decode graph's): the arg-max of a greedy row without
+        adjustments is the same token there as in fp32 (the widening is exact), and anything else works on
+        an fp32 copy."""
+        if logits.dtype != torch.float32 and (any(_adjusted_rows(params, indices, counts))
+                                              or not all(p.greedy for p in params)):
+            logits = logits.float()
         logits = adjust_logits(logits, params, indices, counts)
         out = torch.argmax(logits, dim=-1)
         rows = [r for r, p in enumerate(params) if not p.greedy]

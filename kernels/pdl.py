@@ -8,9 +8,10 @@ The weight-streaming kernels load their weights before the wait (nothing in a st
 ``StackedWeight`` synchronises once it has built a stack) and the activations after it. Each of these
 kernels calls ``gdc_launch_dependents()`` on entry, so that the next PDL kernel may be scheduled as soon
 as SMs free up; the decode MoE's gate_up kernel calls it after its wait instead, so that the down kernel
-after it may read the router's expert ids (and load those experts' weights) before its own wait. A kernel that reads or writes anything the previous kernel may touch does so only after
-``gdc_wait()``; both calls are no-ops in a launch without PDL. Captured in a CUDA graph the launches
-become programmatic edges.
+after it may read the router's expert ids (and load those experts' weights) before its own wait. A
+kernel that reads or writes anything the previous kernel may touch does so only after ``gdc_wait()``;
+both calls are no-ops in a launch without PDL. Captured in a CUDA graph the launches become programmatic
+edges.
 
 ``TIDAL_PDL=0`` turns it off (read at each launch: a graph keeps the launches it was captured with).
 """

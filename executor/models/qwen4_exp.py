@@ -156,13 +156,16 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.model(batch, hc_shard)
 
     def logits(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor],
-               rows: torch.Tensor | None) -> torch.Tensor:
+               rows: torch.Tensor | None, into: torch.Tensor | None = None) -> torch.Tensor:
         """Finish ``rows`` (every row for ``None``): the last residual and the final mixer's norm in one pass,
-        then the fold of their streams and the projection to the vocabulary."""
+        then the fold of their streams and the projection to the vocabulary, written into ``into`` when given
+        (the projection's own output: no copy)."""
         out, inject_logits = pending
         if rows is not None:
             streams, out, inject_logits = streams[rows], out[rows], inject_logits[rows]
         mixer = self.model.hyper_connection_mixer
         _, normed = mixer.add_and_norm(streams, out, inject_logits)
         hidden, _ = mixer.mix(normed)
-        return self.lm_head(hidden)
+        if into is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=into)
