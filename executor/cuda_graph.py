@@ -18,12 +18,13 @@ count to a power of two, so that every tensor shape is fixed:
 * padding rows use a slot and a KV page that the scheduler never hands out (the pools hold one of
   each beyond its count), so they write nothing that a request reads.
 
-The graph ends with the logits of every row in the model's dtype, written by the vocabulary projection
-into one buffer all graphs share; sampling (which takes the arg-max of greedy rows in that dtype and
-works in fp32 otherwise) and the end-of-segment checkpoint copies run after the replay as for an eager
-forward. Graphs are
-captured when a shape is first met and share one memory pool. Without ``capture`` (the CPU) the same
-padded step runs eagerly, which is how CPU tests check it against the eager path.
+On the GPU the per-row tensors come from one kernel (``kernels/decode_prep_triton``) instead of the
+torch ops that spell them out. The graph ends with the logits of every row in the model's dtype, written
+by the vocabulary projection into one buffer all graphs share; sampling (the arg-max of greedy rows in
+that dtype, fp32 otherwise) and the end-of-segment checkpoint copies run after the replay as for an
+eager forward. Graphs are captured when a shape is first met and share one memory pool. Without
+``capture`` (the CPU) the same padded step runs eagerly, which is how CPU tests check it against the
+eager path.
 """
 
 from __future__ import annotations
@@ -230,9 +231,9 @@ class DecodeGraphs:
         from ..kernels.decode_prep_triton import decode_prep
 
         rotary = self.rotary
-        dtype = self.model.model.embed_tokens.weight.dtype
         p = decode_prep(self.inputs[:, :b], self.last_ids, self.slot_pages, self.page_size, self.states.ngram_context,
-                        self.ngram_eos, rotary.inv_freq(self.device) if rotary else None, dtype, self.ratio, blocks)
+                        self.ngram_eos, rotary.inv_freq(self.device) if rotary else None,
+                        self.model.model.embed_tokens.weight.dtype, self.ratio, blocks)
         qsa = None
         if self.ratio:
             qsa = QSABlocks(ratio=self.ratio, new_rows=p["new_rows"], new_pos=p["new_pos"], key_rows=p["key_rows"],
