@@ -92,3 +92,21 @@ def test_tiny_temperature_samples_greedily_not_nan():
     sampler = Sampler(torch.device("cpu"))
     for t in (1e-300, 5e-324, 1e-6):
         assert sampler(logits, [SamplingParams(temperature=t)] * 2, [0, 0]) == [1, 0]
+
+
+def test_narrow_logits_sample_as_their_fp32_widening():
+    """A decode graph hands bf16 logits: greedy rows take their arg-max there (ties to the first id, as in
+    fp32), and a logit bias or temperature works on an fp32 copy. A bias of 0.5 on a logit of 256 is lost in
+    bf16 (its spacing there is 2), so a sampler that applied it in bf16 would pick the tie's first id."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(4, 300, generator=gen) * 4).to(torch.bfloat16)
+    logits[0, 7] = logits[0, 200] = 64.0  # a tie
+    logits[1, 10] = logits[1, 11] = 256.0
+    params = [SamplingParams(), SamplingParams(logit_bias={11: 0.5}),
+              SamplingParams(temperature=0.9, top_k=20, seed=5), SamplingParams(temperature=1.1, seed=6)]
+    sampler = Sampler(torch.device("cpu"))
+    got = sampler(logits, params, [0, 0, 3, 4])
+    assert got[:2] == [7, 11]
+    assert got == Sampler(torch.device("cpu"))(logits.float(), params, [0, 0, 3, 4])
+    greedy = [SamplingParams()] * 4
+    assert sampler(logits, greedy, [0] * 4) == logits.float().argmax(dim=-1).tolist()
