@@ -224,31 +224,30 @@ class DecodeGraphs:
             cols = (last // ps).clamp(max=self.max_pages - 1)
             qsa = QSABlocks(ratio=r, new_rows=rows_of(block_pos), new_pos=first.clamp(min=0),
                             key_rows=page_table[:, cols].long() * ps + last % ps, max_blocks=blocks)
-        return self._assemble(b, ids, positions, slots, fresh, page_table, kv_write_rows, ngram_context, qsa)
+        return self._assemble(b, ids, positions, slots, fresh, page_table, kv_write_rows, (positions + 1).int(),
+                              ngram_context, qsa)
 
     def _forward_batch_triton(self, b: int, blocks: int) -> ForwardBatch:
         """``_forward_batch``'s tensors from one kernel (``kernels/decode_prep_triton``)."""
         from ..kernels.decode_prep_triton import decode_prep
 
-        rotary = self.rotary
         p = decode_prep(self.inputs[:, :b], self.last_ids, self.slot_pages, self.page_size, self.states.ngram_context,
-                        self.ngram_eos, rotary.inv_freq(self.device) if rotary else None,
+                        self.ngram_eos, self.rotary.inv_freq(self.device) if self.rotary else None,
                         self.model.model.embed_tokens.weight.dtype, self.ratio, blocks)
         qsa = None
         if self.ratio:
             qsa = QSABlocks(ratio=self.ratio, new_rows=p["new_rows"], new_pos=p["new_pos"], key_rows=p["key_rows"],
                             max_blocks=blocks)
         fb = self._assemble(b, p["ids"], self.inputs[1, :b], self.inputs[2, :b], p["fresh"], p["page_table"],
-                            p["kv_rows"], p["ngram_context"], qsa, kv_lens=p["kv_lens"])
-        if rotary:
+                            p["kv_rows"], p["kv_lens"], p["ngram_context"], qsa)
+        if self.rotary:
             fb.rope = (p["cos"], p["sin"])
         return fb
 
-    def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, ngram_context, qsa,
-                  kv_lens=None) -> ForwardBatch:
+    def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, kv_lens, ngram_context,
+                  qsa) -> ForwardBatch:
         group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
-                         lengths=self._ones[:b], slots=slots, fresh=fresh,
-                         kv_lens=(positions + 1).int() if kv_lens is None else kv_lens, page_table=page_table)
+                         lengths=self._ones[:b], slots=slots, fresh=fresh, kv_lens=kv_lens, page_table=page_table)
         none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
                         lengths=self._empty, slots=self._empty, fresh=self._empty.bool(),
                         kv_lens=self._cu[:0], page_table=page_table[:0])

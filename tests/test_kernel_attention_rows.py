@@ -3,8 +3,8 @@
 ``QSAIndexer.write_block_keys``' pooled block keys (gather, fp32 mean, norm, rotary of the block's first
 position, store at its last row).
 
-Without CUDA the kernels run in the interpreter on fp32 CPU tensors; the ``gpu`` tests run them compiled in
-bf16 and fp32, with the bench model's head shapes.
+The small-shape tests run in fp32: in the interpreter on CPU tensors without CUDA, compiled on a GPU. The
+``gpu`` tests take the bench model's head shapes in bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -95,15 +95,11 @@ def _blocks_case(rows_mod, blocks, ratio, dim, rot, dtype, seed):
                                                                   (1, 2, 2, 16, 16, (1, 16))])
 def test_attention_rows_match_the_torch_ops(rows_mod, tokens, heads, kv_heads, dim, rot, index):
     """Head counts and widths not powers of two, rotary over part of a head or all of it."""
-    if not _INTERPRET:
-        pytest.skip("the interpreter test; the gpu tests run the kernels compiled")
     _case(rows_mod, tokens, heads, kv_heads, dim, rot, index, torch.float32, seed=tokens)
 
 
 @pytest.mark.parametrize("blocks,ratio,dim,rot", [(3, 8, 32, 16), (2, 6, 24, 8), (1, 1, 16, 16)])
 def test_qsa_block_keys_match_the_torch_ops(rows_mod, blocks, ratio, dim, rot):
-    if not _INTERPRET:
-        pytest.skip("the interpreter test; the gpu tests run the kernels compiled")
     _blocks_case(rows_mod, blocks, ratio, dim, rot, torch.float32, seed=blocks)
 
 

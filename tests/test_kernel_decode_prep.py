@@ -71,11 +71,11 @@ def _check(graphs, rows: list[tuple[int, int, int]], seed: int) -> None:
 ROWS = [(-1, 37, 3), (17, 0, 5), (-1, 63, 0), (4, 15, 7), (9, 8, 1)]
 
 
-def test_decode_prep_matches_the_torch_ops(tiny_checkpoint):
+def test_decode_prep_matches_the_torch_ops(tiny_checkpoint, monkeypatch):
+    """fp32: in the interpreter on CPU tensors without CUDA, compiled on a GPU."""
     pytest.importorskip("triton")
-    if not _INTERPRET:
-        pytest.skip("the interpreter test; the gpu test runs the kernel compiled")
-    graphs = _graphs(tiny_checkpoint, "cpu", "float32", max_batch=8, max_pages=40)
+    monkeypatch.setenv("TIDAL_KERNELS", "torch:decode_prep")  # on a GPU, the reference's ops in _forward_batch
+    graphs = _graphs(tiny_checkpoint, "cpu" if _INTERPRET else "cuda", "float32", max_batch=8, max_pages=40)
     _check(graphs, ROWS, seed=0)
     _check(graphs, ROWS[:1], seed=1)  # one row and seven padding rows
     _check(graphs, [(5, 600, 2), (6, 639, 4)], seed=2)  # 80 blocks: past the smallest graph's 64
@@ -84,6 +84,7 @@ def test_decode_prep_matches_the_torch_ops(tiny_checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_prep_matches_the_torch_ops_gpu(tiny_checkpoint, dtype, monkeypatch):
+    """The model's dtypes, and positions whose page tables need thousands of pages."""
     graphs = _graphs(tiny_checkpoint, "cuda", dtype, max_batch=8, max_pages=7000)
     monkeypatch.setenv("TIDAL_KERNELS", "torch:decode_prep")  # the reference's ops in _forward_batch
     _check(graphs, ROWS, seed=0)
