@@ -20,11 +20,12 @@ count to a power of two, so that every tensor shape is fixed:
 
 On the GPU the per-row tensors come from one kernel (``kernels/decode_prep_triton``) instead of the
 torch ops that spell them out. The graph ends with the logits of every row in the model's dtype, written
-by the vocabulary projection into one buffer all graphs share; sampling (the arg-max of greedy rows in
-that dtype, fp32 otherwise) and the end-of-segment checkpoint copies run after the replay as for an
-eager forward. Graphs are captured when a shape is first met and share one memory pool. Without
-``capture`` (the CPU) the same padded step runs eagerly, which is how CPU tests check it against the
-eager path.
+by the vocabulary projection into one buffer all graphs share, and each row's arg-max of them
+(:attr:`greedy`, also left in the slot's :attr:`last_ids`; ``kernels/greedy_triton`` on the GPU): a batch
+that samples plainly greedily takes those ids. Other sampling (on the logits in fp32) and the
+end-of-segment checkpoint copies run after the replay as for an eager forward. Graphs are captured when
+a shape is first met and share one memory pool. Without ``capture`` (the CPU) the same padded step runs
+eagerly, which is how CPU tests check it against the eager path.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ class DecodeGraphs:
         # Every graph writes its logits here, so captures share one output (the rest of their memory
         # is the pool's, reused from one graph to the next).
         self.logits = torch.empty(max_batch, config.vocab_size, dtype=model.lm_head.weight.dtype, device=device)
+        # Every row's arg-max of those logits (also written to its slot's ``last_ids``): the tokens of a
+        # batch that samples plainly greedily, taken as they are (``Sampler.plain_greedy``).
+        self.greedy = torch.zeros(max_batch, **long)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.steps = 0  # decode steps run through the fixed-shape path
@@ -191,6 +195,15 @@ class DecodeGraphs:
         fb = self._forward_batch(size, blocks)
         streams, pending = self.model(fb)
         self.model.logits(streams, pending, None, into=self.logits[:size])
+        slots = self.inputs[2, :size]
+        if use_triton(self.logits, "greedy"):
+            from ..kernels.greedy_triton import greedy_ids
+
+            greedy_ids(self.logits[:size], slots, self.last_ids, self.greedy[:size])
+        else:
+            ids = torch.argmax(self.logits[:size], dim=-1)
+            self.greedy[:size] = ids
+            self.last_ids[slots] = ids
 
     def _forward_batch(self, b: int, blocks: int) -> ForwardBatch:
         """The ``ForwardBatch`` of ``b`` one-token segments, every tensor derived from the input buffer

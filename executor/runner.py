@@ -255,9 +255,12 @@ class ModelRunner:
         if not self._samples_on_device(specs):
             self._sample(out, specs, logits.float(), {i: i for i in range(len(specs))})
             return Launched(out, finished=True)
-        ids = self.sampler.sample(logits, [spec.sampling or GREEDY for spec in specs],
-                                  [spec.sample_index for spec in specs])
-        self.graphs.last_ids[self.graphs.inputs[2, :len(specs)]] = ids
+        params, indices = [spec.sampling or GREEDY for spec in specs], [spec.sample_index for spec in specs]
+        if self.sampler.plain_greedy(params, indices):
+            ids = self.graphs.greedy[:len(specs)]  # the graph's own arg-max, in last_ids already
+        else:
+            ids = self.sampler.sample(logits, params, indices)
+            self.graphs.last_ids[self.graphs.inputs[2, :len(specs)]] = ids
         cuda = self.device.type == "cuda"
         host = torch.empty(len(specs), dtype=torch.long, pin_memory=cuda)
         host.copy_(ids, non_blocking=cuda)

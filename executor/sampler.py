@@ -147,6 +147,12 @@ class Sampler:
         """One token per row of ``logits [N, V]`` (fp32); ``counts`` per row from :class:`TokenCounts`."""
         return self.sample(logits, params, indices, counts).tolist() if params else []
 
+    @staticmethod
+    def plain_greedy(params: list[SamplingParams], indices: list[int]) -> bool:
+        """Every row greedy with nothing that adjusts its logits (no history counts given): its token is the
+        plain arg-max of the model's logits."""
+        return all(p.greedy for p in params) and not any(_adjusted_rows(params, indices, None))
+
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
         """:meth:`__call__`'s ids as a device tensor ``[N]``, with no device sync on the way (parameters

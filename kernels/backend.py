@@ -36,7 +36,9 @@ KERNELS = (
     "decode_prep",    # a decode graph's per-row tensors (kernels/decode_prep_triton)
     "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
     "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
+    "gdn_step",       # GDN decode-only step: gates, recurrence and gated norm in one kernel (kernels/gdn_varlen)
     "gemv",           # projections of a decode step's few rows (kernels/gemv)
+    "greedy",         # a decode graph's arg-max of its logits (kernels/greedy_triton)
     "hc",             # hyper-connection kernels (kernels/hyper_connection, executor/layers/hyper_connection)
     "moe",            # routed experts of prefill rows: grouped GEMM helpers and the Triton fused MoE
     "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)

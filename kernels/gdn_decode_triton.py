@@ -2,6 +2,12 @@
 
 Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
 
+Two kernels. ``_gdn_decode_kernel`` (:func:`gdn_decode`) is the recurrent step alone, for the decode rows of
+a mixed batch. ``_gdn_step_kernel`` (:func:`gdn_decode_step`) is a decode-only batch's whole GDN core after
+the conv: the gates from the raw ``a``/``b`` projections, the step, and the gated output norm, one program a
+(request, value head) over the head's whole state (the norm spans the head's ``dv`` outputs), so a
+layer's gates, recurrence and norm are one launch instead of three.
+
 Decode is bandwidth-bound on the recurrent state (``dk x dv`` fp32 per value head, e.g. 64 KB): the
 kernel reads and writes it exactly once per token, in place in the pool. Grid ``(B, Hv, dv / BV)``:
 each program loads the q/k rows of its key head (``h // (Hv // Hk)``), l2-normalises them in
@@ -17,6 +23,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gdn_gates_triton import gates
+from .norm_triton import gated_norm_rows
 from .pdl_triton import pdl_enter
 
 
@@ -39,27 +47,30 @@ def _gdn_decode_kernel(
 
     q = tl.load(q_ptr + b * sq_b + hk * sq_h + dks * sq_d, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + b * sk_b + hk * sk_h + dks * sk_d, mask=kmask, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-
     slot = tl.load(slots_ptr + b).to(tl.int64)
     keep_old = tl.load(fresh_ptr + b) == 0
     s_ptrs = state_ptr + slot * ss_n + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v
     smask = kmask[:, None] & vmask[None, :]
     s = tl.load(s_ptrs, mask=smask & keep_old, other=0.0)
-
-    decay = tl.exp(tl.load(g_ptr + b * sg_b + h * sg_h).to(tl.float32))
+    g = tl.load(g_ptr + b * sg_b + h * sg_h).to(tl.float32)
     beta = tl.load(beta_ptr + b * sb_b + h * sb_h).to(tl.float32)
     v = tl.load(v_ptr + b * sv_b + h * sv_h + dvs * sv_d, mask=vmask, other=0.0).to(tl.float32)
+    s, o = delta_step(q, k, v, s, g, beta, scale, eps)
+    tl.store(s_ptrs, s, mask=smask)
+    tl.store(out_ptr + b * so_b + h * so_h + dvs * so_d, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
-    s = s * decay
+
+@triton.jit
+def delta_step(q, k, v, s, g, beta, scale, eps):
+    """One token of the gated delta rule on a ``[BK, BV]`` fp32 state tile: ``(new tile, output [BV])`` from raw
+    fp32 ``q``, ``k`` ``[BK]`` (l2-normalised here, q scaled), ``v`` ``[BV]``, log decay ``g`` and ``beta``."""
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    s = s * tl.exp(g)
     memory = tl.sum(s * k[:, None], axis=0)  # S^T k, [BV]
     delta = (v - memory) * beta
     s = s + k[:, None] * delta[None, :]
-    o = tl.sum(s * q[:, None], axis=0)  # S^T q (q already scaled), [BV]
-
-    tl.store(s_ptrs, s, mask=smask)
-    tl.store(out_ptr + b * so_b + h * so_h + dvs * so_d, o.to(out_ptr.dtype.element_ty), mask=vmask)
+    return s, tl.sum(s * q[:, None], axis=0)  # S^T q (q already scaled), [BV]
 
 
 def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -87,5 +98,71 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), state_pool.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=v_heads // k_heads, BK=block_k, BV=block_v, num_warps=4, **pdl.launch_args(v),
+    )
+    return out
+
+
+@triton.jit
+def _gdn_step_kernel(
+    qkv_ptr, z_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr,
+    key_dim, dk, dv, scale, eps, norm_eps,
+    s_qkv, s_z, s_b, s_a, ss_n, ss_h, ss_k, ss_v, s_o,
+    GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SILU: tl.constexpr, ROUND_MID: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    hk = h // GROUP
+    dks = tl.arange(0, BK)
+    dvs = tl.arange(0, BV)
+    kmask = dks < dk
+    vmask = dvs < dv
+    row = qkv_ptr + b * s_qkv
+    q = tl.load(row + hk * dk + dks, mask=kmask, other=0.0).to(tl.float32)
+    k = tl.load(row + key_dim + hk * dk + dks, mask=kmask, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * key_dim + h * dv + dvs, mask=vmask, other=0.0).to(tl.float32)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    keep_old = tl.load(fresh_ptr + b) == 0
+    s_ptrs = state_ptr + slot * ss_n + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v
+    smask = kmask[:, None] & vmask[None, :]
+    s = tl.load(s_ptrs, mask=smask & keep_old, other=0.0)
+    g, beta = gates(tl.load(a_ptr + b * s_a + h).to(tl.float32), tl.load(b_ptr + b * s_b + h).to(tl.float32),
+                    tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32))
+    dt = out_ptr.dtype.element_ty
+    s, o = delta_step(q, k, v, s, g, beta.to(b_ptr.dtype.element_ty).to(tl.float32), scale, eps)
+    tl.store(s_ptrs, s, mask=smask)
+    # The gated norm of the head's output, rounded to the output dtype first as the core output is.
+    z = tl.load(z_ptr + b * s_z + h * dv + dvs, mask=vmask, other=0.0).to(tl.float32)
+    w = tl.load(norm_w_ptr + dvs, mask=vmask, other=0.0).to(tl.float32)
+    out = gated_norm_rows(o.to(dt).to(tl.float32)[None, :], z[None, :], w, dv, norm_eps, dt, SILU, ROUND_MID)
+    tl.store(out_ptr + b * s_o + h * dv + dvs[None, :], out.to(dt), mask=vmask[None, :])
+
+
+def gdn_decode_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                    dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, activation: str,
+                    state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Triton form of :func:`tidal.kernels.gdn_varlen.gdn_decode_step_ref` (same arguments, result and in-place
+    update): one program a (request, value head) over the head's whole ``dk x dv`` state."""
+    batch = qkv.shape[0]
+    v_heads, dk, dv = state_pool.shape[1:]
+    key_dim = (qkv.shape[1] - v_heads * dv) // 2
+    k_heads = key_dim // dk
+    assert state_pool.dtype == torch.float32 and k_heads * dk == key_dim and v_heads % k_heads == 0
+    assert qkv.stride(1) == z.stride(1) == 1 and z.shape == (batch, v_heads * dv)
+    assert a.shape == b.shape == (batch, v_heads)
+    out = torch.empty((batch, v_heads * dv), dtype=qkv.dtype, device=qkv.device)
+    if batch == 0:
+        return out
+    fresh = fresh.view(torch.uint8) if fresh.dtype == torch.bool else fresh
+    block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    round_mid = qkv.dtype != torch.float32 and torch.promote_types(norm_weight.dtype, qkv.dtype) == qkv.dtype
+    _gdn_step_kernel[(batch, v_heads)](
+        qkv, z, b, a, a_log, dt_bias, norm_weight, state_pool, out, slots, fresh,
+        key_dim, dk, dv, dk ** -0.5, 1e-6, float(norm_eps),
+        qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), state_pool.stride(3), out.stride(0),
+        GROUP=v_heads // k_heads, BK=block_k, BV=block_v, SILU=activation == "silu", ROUND_MID=round_mid,
+        num_warps=8 if block_k * block_v >= 8192 else 4, **pdl.launch_args(qkv),
     )
     return out

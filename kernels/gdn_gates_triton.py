@@ -26,17 +26,25 @@ def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, rows, h
     r64 = r.to(tl.int64)[:, None]
     a = tl.load(a_ptr + r64 * sa_t + h[None, :], mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + r64 * sb_t + h[None, :], mask=m, other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(a_log_ptr + h, mask=hmask, other=0.0).to(tl.float32))
-    x = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    a_log = tl.load(a_log_ptr + h, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    dt_bias = tl.load(dt_bias_ptr + h, mask=hmask, other=0.0).to(tl.float32)[None, :]
+    g, beta = gates(a, b, a_log, dt_bias)
+    tl.store(g_ptr + r64 * heads + h[None, :], g, mask=m)
+    tl.store(beta_ptr + r64 * heads + h[None, :], beta.to(beta_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gates(a, b, a_log, dt_bias):
+    """``(g, beta)`` in fp32 from fp32 ``a``, ``b``, ``A_log`` and ``dt_bias`` (elementwise): the log decay
+    ``-exp(A_log) * softplus(a + dt_bias)`` and ``sigmoid(b)``, which the reference rounds to b's dtype."""
+    x = a + dt_bias
     # torch's softplus, log1p(exp(x)), x itself past the threshold of 20. For exp(x) < 0.1 the series of
     # log1p to its sixth term (error below e^7 / 7, 1e-7 relative): log(1 + e) would lose e's low bits.
     e = tl.exp(tl.minimum(x, 20.0))
     es = tl.minimum(e, 0.1)
     series = es * (1.0 - es * (0.5 - es * (1.0 / 3.0 - es * (0.25 - es * (0.2 - es / 6.0)))))
     softplus = tl.where(x > 20.0, x, tl.where(e < 0.1, series, tl.log(1.0 + e)))
-    tl.store(g_ptr + r64 * heads + h[None, :], -decay[None, :] * softplus, mask=m)
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    tl.store(beta_ptr + r64 * heads + h[None, :], beta.to(beta_ptr.dtype.element_ty), mask=m)
+    return -tl.exp(a_log) * softplus, 1.0 / (1.0 + tl.exp(-b))
 
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

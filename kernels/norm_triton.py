@@ -66,18 +66,26 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, n_rows, heads, width, s
     mask = (rows < n_rows)[:, None] & cmask[None, :]
     dt = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + (t * sx_t + h_idx * sx_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + (t * sg_t + h_idx * sg_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = gated_norm_rows(x, g, w, width, eps, dt, SILU, ROUND_MID)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(dt), mask=mask)
+
+
+@triton.jit
+def gated_norm_rows(x, g, w, width, eps, dt: tl.constexpr, SILU: tl.constexpr, ROUND_MID: tl.constexpr):
+    """``weight * x / rms(x) * act(g)`` of each row of fp32 ``[R, N]`` tiles (masked columns zero in ``x``),
+    in fp32 with the reference's roundings to ``dt`` on the way; the caller rounds the result."""
     inv = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     h = (x * inv[:, None]).to(dt).to(tl.float32)  # the reference rounds h to x's dtype here
-    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     h = h * w[None, :]
     if ROUND_MID:  # weight and x share a sub-fp32 dtype: the reference's product is rounded too
         h = h.to(dt).to(tl.float32)
-    g = tl.load(g_ptr + (t * sg_t + h_idx * sg_h)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU:
         a = g * tl.sigmoid(g)
     else:
         a = tl.sigmoid(g)
-    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (h * a).to(dt), mask=mask)
+    return h * a
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:

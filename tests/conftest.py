@@ -51,6 +51,27 @@ def tiny_checkpoint(tmp_path_factory) -> str:
     return write_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
+@pytest.fixture
+def same_ids_as_torch_ops(tiny_checkpoint, monkeypatch):
+    """``check(ops)``: the tiny model's greedy ids in fp32 on the GPU, decode steps replayed from CUDA graphs,
+    equal those of the same model with the operations ``ops`` sent to their torch references
+    (``TIDAL_KERNELS=torch:OPS``, which also decodes without graphs)."""
+    from tidal import LLM
+
+    def check(ops: str) -> None:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 248000, (n,), generator=gen).tolist() for n in (37, 1, 100)]
+        kwargs = dict(max_tokens=40, ignore_eos=True)
+        monkeypatch.setenv("TIDAL_KERNELS", f"torch:{ops}")
+        want = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=64).generate(prompts, **kwargs)
+        monkeypatch.delenv("TIDAL_KERNELS")
+        llm = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=64)
+        assert llm.generate(prompts, **kwargs) == want
+        assert llm.runner.graphs is not None and llm.runner.graphs.steps > 0
+
+    return check
+
+
 # Text configs for transformers-written checkpoints. They differ from the tiny preset and from each
 # other in hc_count, GQA ratio, grouped value heads, QSA budget/ratio, PLE layers and ngram_size.
 HF_CONFIGS = {

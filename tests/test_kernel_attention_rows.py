@@ -113,17 +113,7 @@ def test_attention_rows_gpu(rows_mod, dtype, tokens):
 
 
 @pytest.mark.gpu
-def test_the_model_takes_the_kernels_gpu(tiny_checkpoint, monkeypatch):
-    """Greedy ids of the tiny model in fp32 (decode steps from CUDA graphs) with this module's kernels and the
-    decode prologue, against the same model with both sent to their torch ops."""
-    from tidal import LLM
-
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 248000, (n,), generator=gen).tolist() for n in (37, 1, 100)]
-    kwargs = dict(max_tokens=40, ignore_eos=True)
-    monkeypatch.setenv("TIDAL_KERNELS", "torch:norm_rotary,decode_prep")
-    want = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=64).generate(prompts, **kwargs)
-    monkeypatch.delenv("TIDAL_KERNELS")
-    llm = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=64)
-    assert llm.generate(prompts, **kwargs) == want
-    assert llm.runner.graphs is not None and llm.runner.graphs.steps > 0
+def test_the_model_takes_the_kernels_gpu(same_ids_as_torch_ops):
+    """The tiny model's greedy ids with this module's kernels and the decode prologue, against both sent to
+    their torch ops."""
+    same_ids_as_torch_ops("norm_rotary,decode_prep")

@@ -364,3 +364,107 @@ def test_gdn_gates_kernel_equals_torch(rows, heads):
     assert decay.dtype == torch.float32 and beta.dtype == b.dtype
     torch.testing.assert_close(decay, ref_decay, rtol=1e-5, atol=1e-30)
     torch.testing.assert_close(beta, ref_beta, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# GDN decode step (gates, recurrence and gated norm in one kernel)
+# --------------------------------------------------------------------------------------------------
+
+
+def _step_inputs(batch, k_heads, v_heads, dk, dv, dtype, gen):
+    """The step's inputs as column slices of one wide row (as the stacked input projection's output), with
+    a padding column between each: qkv, z, b, a, plus A_log, dt_bias and the norm weight."""
+    widths = [2 * k_heads * dk + v_heads * dv, v_heads * dv, v_heads, v_heads]
+    wide = torch.randn(batch, sum(widths) + len(widths), generator=gen) * 2
+    wide[0, sum(widths[:3]) + 3] = 30.0  # an `a` past softplus' threshold
+    wide = wide.to(DEV, dtype)
+    parts, lo = [], 0
+    for w in widths:
+        parts.append(wide[:, lo:lo + w])
+        lo += w + 1
+    a_log = torch.randn(v_heads, generator=gen).to(DEV, dtype)
+    dt_bias = torch.randn(v_heads, generator=gen).to(DEV, dtype)
+    norm_w = (torch.rand(dv, generator=gen) + 0.5).to(DEV, dtype)
+    return (*parts, a_log, dt_bias, norm_w)
+
+
+def _step_reference(qkv, z, b, a, a_log, dt_bias, norm_w, eps, act, pool, slots, fresh, k_heads, dk):
+    """The step from the three torch references, one after the other."""
+    from tidal.kernels.gdn import gdn_gates_ref
+    from tidal.kernels.norm import gated_rms_norm_ref
+
+    batch, v_heads, dv = qkv.shape[0], a.shape[1], pool.shape[3]
+    key_dim = k_heads * dk
+    q, k, v = qkv[:, :key_dim], qkv[:, key_dim:2 * key_dim], qkv[:, 2 * key_dim:]
+    g, beta = gdn_gates_ref(a, b, a_log, dt_bias)
+    core = gdn_decode_ref(q.unflatten(-1, (k_heads, dk)), k.unflatten(-1, (k_heads, dk)),
+                          v.unflatten(-1, (v_heads, dv)), g, beta, pool, slots, fresh)
+    return gated_rms_norm_ref(core, z.unflatten(-1, (v_heads, dv)), norm_w, eps, act).reshape(batch, -1)
+
+
+@pytest.mark.parametrize("k_heads,v_heads,act", [(2, 4, "silu"), (3, 3, "sigmoid")])
+def test_gdn_decode_step_kernel_matches_references(k_heads, v_heads, act):
+    """Three steps in a row from strided column slices; the first starts two requests fresh; dk and dv off
+    powers of two; a padding slot and the unused slots stay as they were."""
+    gen = torch.Generator().manual_seed(5)
+    batch, dk, dv = 3, 12, 40
+    pool = torch.randn(6, v_heads, dk, dv, generator=gen).to(DEV)
+    pool_ref, pool_ker = pool.clone(), pool.clone()
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    for step in range(3):
+        fresh = torch.tensor([False, step == 0, step == 0], device=DEV)
+        qkv, z, b, a, a_log, dt_bias, norm_w = _step_inputs(batch, k_heads, v_heads, dk, dv, torch.float32, gen)
+        ref = _step_reference(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, act, pool_ref, slots, fresh, k_heads, dk)
+        out = gdn_decode_triton.gdn_decode_step(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, act, pool_ker, slots,
+                                                fresh)
+        assert out.shape == (batch, v_heads * dv) and out.is_contiguous()
+        # The norm scales the core output's fp32 rounding (1e-7) by 1 / rms, which a fresh row's small
+        # output makes large (here up to 1e4).
+        torch.testing.assert_close(out, ref, atol=3e-4, rtol=1e-5)
+        torch.testing.assert_close(pool_ker, pool_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool_ker[[1, 3, 5]], pool[[1, 3, 5]])
+
+
+def test_gdn_decode_step_dispatch_is_the_parts_off_the_gpu():
+    """On the CPU (or under TIDAL_KERNELS=torch:gdn_step) the layer's step is gates, decode and norm: the
+    same numbers as the references, bit for bit."""
+    from tidal.kernels.gdn_varlen import gdn_decode_step
+
+    gen = torch.Generator().manual_seed(6)
+    qkv, z, b, a, a_log, dt_bias, norm_w = _step_inputs(2, 2, 4, 8, 16, torch.float32, gen)
+    qkv, z, b, a, a_log, dt_bias, norm_w = (t.cpu() for t in (qkv, z, b, a, a_log, dt_bias, norm_w))
+    pool = torch.randn(3, 4, 8, 16, generator=gen)
+    pool_ref = pool.clone()
+    slots, fresh = torch.tensor([2, 0]), torch.tensor([False, True])
+    out = gdn_decode_step(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool, slots, fresh)
+    ref = _step_reference(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool_ref, slots, fresh, 2, 8)
+    assert torch.equal(out, ref) and torch.equal(pool, pool_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gdn_decode_step_bench_shapes(dtype):
+    """The bench shapes (16 key heads, 32 value heads of 128) at 1 and 33 requests, four steps: outputs within
+    1e-4 (fp32) or one bf16 rounding of the norm's input (2e-2), states within 1e-4."""
+    gen = torch.Generator().manual_seed(7)
+    k_heads, v_heads, dk, dv = 16, 32, 128, 128
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for batch in (1, 33):
+        pool = torch.randn(64, v_heads, dk, dv, generator=gen).cuda() * 0.1
+        pool_ref, pool_ker = pool.clone(), pool.clone()
+        slots = torch.randperm(64, generator=gen)[:batch].cuda()
+        for step in range(4):
+            fresh = (torch.rand(batch, generator=gen) < (0.2 if step == 0 else 0.0)).cuda()
+            qkv, z, b, a, a_log, dt_bias, norm_w = _step_inputs(batch, k_heads, v_heads, dk, dv, dtype, gen)
+            ref = _step_reference(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool_ref, slots, fresh,
+                                  k_heads, dk)
+            out = gdn_decode_triton.gdn_decode_step(qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool_ker,
+                                                    slots, fresh)
+            torch.testing.assert_close(out.float(), ref.float(), **tol)
+            torch.testing.assert_close(pool_ker, pool_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_the_model_takes_the_step_kernel_gpu(same_ids_as_torch_ops):
+    """The tiny model's greedy ids with the step kernel, against gates, decode and norm one after the other."""
+    same_ids_as_torch_ops("gdn_step")

@@ -9,7 +9,7 @@ from ...config import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.gdn import gdn_gates
-from ...kernels.gdn_varlen import gdn_decode, gdn_prefill
+from ...kernels.gdn_varlen import gdn_decode, gdn_decode_step, gdn_prefill
 from ...kernels.gemv import linear
 from ...kernels.norm import gated_rms_norm
 from ..distributed import split
@@ -57,11 +57,16 @@ class GatedDeltaNet(nn.Module):
             qkv, z, b, a = self._in_proj.split(linear(x, self._in_proj.get()))
         else:
             qkv, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         conv_slots = batch.states.gdn_conv[self.layer_idx]
         rec_slots = batch.states.gdn_state[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         d, p = batch.decode, batch.prefill
+        if d.num_rows and not p.num_rows:  # decode rows only: the conv, then one step kernel on the GPU
+            conv = causal_conv1d_update(qkv, conv_slots, weight, d.slots, d.fresh)
+            out = gdn_decode_step(conv, z, b, a, self.A_log, self.dt_bias, self.norm.weight, self.eps, self.gate_act,
+                                  rec_slots, d.slots, d.fresh)
+            return linear(out, self.out_proj.weight)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         parts = []  # the core output of the decode rows, then of the prefill rows (their order in x)
         if d.num_rows:
             conv = causal_conv1d_update(qkv[d.rows], conv_slots, weight, d.slots, d.fresh)
