@@ -25,7 +25,7 @@ import triton.language as tl
 from . import pdl
 from .gdn_gates_triton import gates
 from .norm_triton import gated_norm_rows
-from .pdl_triton import pdl_enter
+from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 
 
 @triton.jit
@@ -102,6 +102,12 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out
 
 
+# Warps of a step program. At the bench shapes (a 128 x 128 head) with scripts/tune_gdn_step.py, at 1 / 8 / 32
+# requests: 4.50 / 8.96 / 47.19 us, against 5.52 / 13.07 / 62.72 with 8 and 8.02 / 17.52 / 76.65 with 16, and
+# 6.61 / 12.11 / 46.90 for the three launches it replaces (docs/device/2026-12-01b/call5/).
+STEP_WARPS = 4
+
+
 @triton.jit
 def _gdn_step_kernel(
     qkv_ptr, z_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr,
@@ -110,7 +116,12 @@ def _gdn_step_kernel(
     GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SILU: tl.constexpr, ROUND_MID: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    """Launched with PDL, a program loads the head's state, the gate parameters and the norm weight before
+    its wait: the slots are the forward's inputs (on the device before its first kernel) and a slot's state
+    was last written by the step before this one. The fresh flags and the projections are this forward's
+    own (read after the wait); a fresh row's state is replaced by zeros without arithmetic on what the slot
+    held."""
+    pdl_launch_next(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
@@ -118,32 +129,37 @@ def _gdn_step_kernel(
     dvs = tl.arange(0, BV)
     kmask = dks < dk
     vmask = dvs < dv
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s_ptrs = state_ptr + slot * ss_n + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v
+    smask = kmask[:, None] & vmask[None, :]
+    s = tl.load(s_ptrs, mask=smask, other=0.0)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    w = tl.load(norm_w_ptr + dvs, mask=vmask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    s = tl.where(tl.load(fresh_ptr + b) == 0, s, 0.0)
     row = qkv_ptr + b * s_qkv
     q = tl.load(row + hk * dk + dks, mask=kmask, other=0.0).to(tl.float32)
     k = tl.load(row + key_dim + hk * dk + dks, mask=kmask, other=0.0).to(tl.float32)
     v = tl.load(row + 2 * key_dim + h * dv + dvs, mask=vmask, other=0.0).to(tl.float32)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    keep_old = tl.load(fresh_ptr + b) == 0
-    s_ptrs = state_ptr + slot * ss_n + h * ss_h + dks[:, None] * ss_k + dvs[None, :] * ss_v
-    smask = kmask[:, None] & vmask[None, :]
-    s = tl.load(s_ptrs, mask=smask & keep_old, other=0.0)
     g, beta = gates(tl.load(a_ptr + b * s_a + h).to(tl.float32), tl.load(b_ptr + b * s_b + h).to(tl.float32),
-                    tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32))
+                    a_log, dt_bias)
     dt = out_ptr.dtype.element_ty
     s, o = delta_step(q, k, v, s, g, beta.to(b_ptr.dtype.element_ty).to(tl.float32), scale, eps)
     tl.store(s_ptrs, s, mask=smask)
     # The gated norm of the head's output, rounded to the output dtype first as the core output is.
     z = tl.load(z_ptr + b * s_z + h * dv + dvs, mask=vmask, other=0.0).to(tl.float32)
-    w = tl.load(norm_w_ptr + dvs, mask=vmask, other=0.0).to(tl.float32)
     out = gated_norm_rows(o.to(dt).to(tl.float32)[None, :], z[None, :], w, dv, norm_eps, dt, SILU, ROUND_MID)
     tl.store(out_ptr + b * s_o + h * dv + dvs[None, :], out.to(dt), mask=vmask[None, :])
 
 
 def gdn_decode_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
                     dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, activation: str,
-                    state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Triton form of :func:`tidal.kernels.gdn_varlen.gdn_decode_step_ref` (same arguments, result and in-place
-    update): one program a (request, value head) over the head's whole ``dk x dv`` state."""
+                    state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Triton form of :func:`tidal.kernels.gdn_varlen.gdn_decode_step` (same arguments, result and in-place
+    update): one program a (request, value head) over the head's whole ``dk x dv`` state; ``num_warps``
+    overrides :data:`STEP_WARPS`."""
     batch = qkv.shape[0]
     v_heads, dk, dv = state_pool.shape[1:]
     key_dim = (qkv.shape[1] - v_heads * dv) // 2
@@ -163,6 +179,6 @@ def gdn_decode_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torc
         qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), state_pool.stride(3), out.stride(0),
         GROUP=v_heads // k_heads, BK=block_k, BV=block_v, SILU=activation == "silu", ROUND_MID=round_mid,
-        num_warps=8 if block_k * block_v >= 8192 else 4, **pdl.launch_args(qkv),
+        num_warps=num_warps or STEP_WARPS, **pdl.launch_args(qkv),
     )
     return out

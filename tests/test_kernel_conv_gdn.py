@@ -404,11 +404,12 @@ def _step_reference(qkv, z, b, a, a_log, dt_bias, norm_w, eps, act, pool, slots,
 
 @pytest.mark.parametrize("k_heads,v_heads,act", [(2, 4, "silu"), (3, 3, "sigmoid")])
 def test_gdn_decode_step_kernel_matches_references(k_heads, v_heads, act):
-    """Three steps in a row from strided column slices; the first starts two requests fresh; dk and dv off
-    powers of two; a padding slot and the unused slots stay as they were."""
+    """Three steps in a row from strided column slices; the first starts two requests fresh (one slot holding
+    NaN); dk and dv off powers of two; the unused slots stay as they were."""
     gen = torch.Generator().manual_seed(5)
     batch, dk, dv = 3, 12, 40
     pool = torch.randn(6, v_heads, dk, dv, generator=gen).to(DEV)
+    pool[0] = float("nan")  # a fresh row's slot: whatever it held never reaches the result
     pool_ref, pool_ker = pool.clone(), pool.clone()
     slots = torch.tensor([4, 0, 2], device=DEV)
     for step in range(3):
