@@ -75,6 +75,89 @@ def _hc_residual_norm_kernel(h_ptr, b_ptr, l_ptr, w_ptr, new_ptr, normed_ptr, hi
 
 
 @triton.jit
+def _hc_norm_down_kernel(h_ptr, b_ptr, l_ptr, nw_ptr, wd_ptr, new_ptr, normed_ptr, y_ptr, hidden, n_out,
+                         stride_h, stride_b, stride_l, stride_wd, stride_y, eps,
+                         ROWS: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr, HC_PAD: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """``BLOCK_N`` outputs of the ``[down; inject]`` projection for every row, each program normalising the
+    rows' streams itself (the injected residual first with ``RESIDUAL``); program 0 also stores the new
+    streams and their normalised copy."""
+    pdl_launch_next(PDL)
+    # The row's HC_PAD * BLOCK_H features, stream-major: i = s * BLOCK_H + c is feature s * hidden + c.
+    i = tl.arange(0, HC_PAD * BLOCK_H)
+    s = i // BLOCK_H
+    c = i % BLOCK_H
+    feat = s * hidden + c
+    fmask = (s < HC) & (c < hidden)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < n_out
+    w = tl.load(wd_ptr + n.to(tl.int64)[:, None] * stride_wd + feat[None, :],
+                mask=nmask[:, None] & fmask[None, :], other=0.0).to(tl.float32)
+    one_w = 1.0 + tl.load(nw_ptr + feat, mask=fmask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)  # the weights are loading; the rest is the previous kernels' output
+    first = tl.program_id(0) == 0
+    dt = y_ptr.dtype.element_ty
+    width = HC * hidden
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for m in tl.static_range(ROWS):
+        x = tl.load(h_ptr + m * stride_h + feat, mask=fmask, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            # inject = 2 * sigmoid(logit / hc), rounded after the division and the sigmoid like the reference.
+            logit = tl.load(l_ptr + m * stride_l + s, mask=s < HC, other=0.0).to(tl.float32)
+            inject = 2.0 * tl.sigmoid((logit / HC).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            bo = tl.load(b_ptr + m * stride_b + c, mask=fmask, other=0.0).to(tl.float32)
+            x = (x + (bo * inject).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            tl.store(new_ptr + m * width + feat, x.to(dt), mask=fmask & first)
+        sq = tl.sum(tl.reshape(x * x, [HC_PAD, BLOCK_H]), axis=1)
+        inv = tl.reshape(tl.broadcast_to(tl.rsqrt(sq / hidden + eps)[:, None], [HC_PAD, BLOCK_H]), [HC_PAD * BLOCK_H])
+        normed = (x * inv * one_w).to(dt)
+        tl.store(normed_ptr + m * width + feat, normed, mask=fmask & first)
+        acc = tl.where(rows[:, None] == m, tl.sum(w * normed.to(tl.float32)[None, :], axis=1)[None, :], acc)
+    tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], acc.to(dt), mask=(rows < ROWS)[:, None] & nmask[None, :])
+
+
+def hc_norm_down_triton(streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, hc: int,
+                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                        block_n: int = 2, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(new_streams, normed, normed @ weight.T)`` for the few rows of a decode step, one launch: the injected
+    residual ``pending = (block_out, inject_logits)`` (:func:`hc_residual_norm_triton`; ``None``: the streams as
+    they are, returned themselves), the grouped RMS norm, and the ``[down; inject]`` projection ``weight
+    [N, hc * hidden]``. Every program normalises the rows itself (they are a few KB, read from L2) rather than
+    waiting for a norm kernel; a program reads ``block_n`` weight rows.
+    """
+    rows, width = streams.shape
+    hidden = width // hc
+    if hidden * hc != width or weight.shape[1] != width or norm_weight.numel() != width:
+        raise ValueError(f"streams {tuple(streams.shape)}, norm weight {tuple(norm_weight.shape)} and weight "
+                         f"{tuple(weight.shape)} do not fit hc={hc}")
+    if rows > MAX_ROWS or hidden > MAX_HIDDEN:
+        raise ValueError(f"hc_norm_down_triton takes at most {MAX_ROWS} rows and {MAX_HIDDEN} features a stream, "
+                         f"got {rows} x {hidden}")
+    h2 = _rows(streams, width)
+    if pending is None:
+        new, b2, l2 = streams, h2, h2
+    else:
+        b2, l2 = _rows(pending[0], hidden), _rows(pending[1], hc)
+        if not b2.dtype == l2.dtype == streams.dtype:
+            raise ValueError("streams, block_out and inject_logits must share a dtype")
+        new = torch.empty(rows, width, dtype=streams.dtype, device=streams.device)
+    normed = torch.empty(rows, width, dtype=streams.dtype, device=streams.device)
+    n_out = weight.shape[0]
+    y = torch.empty(rows, n_out, dtype=streams.dtype, device=streams.device)
+    if rows == 0:
+        return new, normed, y
+    w2 = weight if weight.stride(1) == 1 else weight.contiguous()
+    _hc_norm_down_kernel[(triton.cdiv(n_out, block_n),)](
+        h2, b2, l2, norm_weight.contiguous(), w2, new, normed, y, hidden, n_out,
+        h2.stride(0), b2.stride(0), l2.stride(0), w2.stride(0), y.stride(0), float(eps),
+        ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, HC_PAD=triton.next_power_of_2(hc),
+        BLOCK_H=triton.next_power_of_2(hidden), BLOCK_N=block_n, RESIDUAL=pending is not None, num_warps=num_warps,
+        **pdl.launch_args(streams))
+    return new, normed, y
+
+
+@triton.jit
 def _hc_block_input_kernel(n_ptr, u_ptr, out_ptr, hidden, stride_n, stride_u, stride_o,
                            HC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -1,8 +1,9 @@
-"""The decode-row GEMV and the hyper-connection mix of a decode step's few rows against their torch
-references (``F.linear``; the gate, ``up`` GEMM and gated mean of ``kernels/hyper_connection``).
+"""The decode-row GEMV and the hyper-connection residual and mix of a decode step's few rows against their
+torch references (``F.linear``; the residual and norm, the gate, ``up`` GEMM and gated mean of
+``kernels/hyper_connection``).
 
 Without CUDA the Triton kernels run in the interpreter (fp32, CPU tensors); the ``gpu`` tests take the
-bench model's shapes in bf16 and fp32, and the mix inside ``GatedResidual`` against the cuBLAS path.
+bench model's shapes in bf16 and fp32, and ``GatedResidual.residual_mix`` against the cuBLAS path.
 """
 
 from __future__ import annotations
@@ -94,42 +95,81 @@ def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
         tri[1].hc_mix_tail_triton(down, up_w[:-1], normed, hc)
 
 
-def _mix_both_ways(monkeypatch, m, normed):
-    """``m.mix(normed)`` with the kernels' dispatch on, and with every hyper-connection op in torch."""
+@pytest.mark.parametrize("rows,hc,hidden,n_out,residual", [(1, 4, 64, 24, True), (3, 3, 48, 23, True),
+                                                           (2, 3, 40, 7, False), (8, 4, 16, 5, True)])
+def test_norm_down_matches_reference(tri, rows, hc, hidden, n_out, residual):
+    """The residual (or none), the grouped norm and the ``[down; inject]`` GEMV in one kernel, against
+    ``hc_residual_norm_ref`` (or ``rms_norm_ref``) and ``F.linear``: hidden sizes not powers of two, three
+    streams, the inject logits a column slice, more programs than one (``block_n`` 2)."""
+    from tidal.kernels.norm import rms_norm_ref
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    width = hc * hidden
+    streams = (2 * torch.randn(rows, width, generator=g)).to(DEV)
+    norm_w = (0.2 * torch.randn(width, generator=g)).to(DEV)
+    weight = (torch.randn(n_out, width, generator=g) / width ** 0.5).to(DEV)
+    pending = None
+    if residual:
+        pending = (torch.randn(rows, hidden, generator=g).to(DEV),
+                   (3 * torch.randn(rows, hc + 5, generator=g)).to(DEV)[:, 2:2 + hc])
+        want_new, want_normed = hc_ops.hc_residual_norm_ref(streams, *pending, hc, norm_w, 1e-6)
+    else:
+        want_new, want_normed = streams, rms_norm_ref(streams, norm_w, 1e-6, hidden)
+    new, normed, y = tri[1].hc_norm_down_triton(streams, pending, hc, norm_w, 1e-6, weight)
+    assert (new is streams) == (not residual)
+    torch.testing.assert_close(new, want_new, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(normed, want_normed, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, F.linear(want_normed, weight), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit hc="):
+        tri[1].hc_norm_down_triton(streams, pending, hc, norm_w[:-1], 1e-6, weight)
+
+
+def _mix_both_ways(monkeypatch, m, streams, pending):
+    """``m.residual_mix(streams, pending)`` with the kernels' dispatch on, and with every hyper-connection op
+    in torch."""
     monkeypatch.setattr(hc_layer, "use_triton", lambda t, name=None: True)
     monkeypatch.setattr(hc_ops, "use_triton", lambda t, name=None: True)
-    got = m.mix(normed)
+    got = m.residual_mix(streams, pending)
     monkeypatch.setattr(hc_layer, "use_triton", lambda t, name=None: False)
     monkeypatch.setattr(hc_ops, "use_triton", lambda t, name=None: False)
-    return got, m.mix(normed)
+    return got, m.residual_mix(streams, pending)
+
+
+def _pending(rows: int, hidden: int, hc: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, hidden, generator=g).to(DEV), torch.randn(rows, hc, generator=g).to(DEV)
 
 
 @pytest.mark.parametrize("use_combine", [True, False], ids=["inject", "final"])
 @pytest.mark.parametrize("rows", [1, hc_ops.MIX_GEMV_ROWS])
-def test_layer_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_combine):
-    """``GatedResidual.mix`` of a few rows runs the two launches (the stacked weight's GEMV: inject logits
-    are its column view; the final mixer has none) and equals the torch path."""
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first"])
+def test_layer_residual_mix_of_few_rows_takes_the_kernels(tri, monkeypatch, rows, use_combine, residual):
+    """``GatedResidual.residual_mix`` of a few rows runs the two launches (the stacked weight's projection:
+    inject logits are its column view; the final mixer has none) and equals the torch path."""
     m = _hc_module(3, 48, 20, seed=rows, use_combine=use_combine)
-    normed = torch.randn(rows, 3 * 48, device=DEV)
+    streams = torch.randn(rows, 3 * 48, device=DEV)
+    pending = _pending(rows, 48, 3, seed=rows) if residual else None
     calls = []
-    real = tri[0].gemv_triton
-    monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    (x, logits), (x_ref, logits_ref) = _mix_both_ways(monkeypatch, m, normed)
+    real = tri[1].hc_norm_down_triton
+    monkeypatch.setattr(tri[1], "hc_norm_down_triton", lambda *a, **k: calls.append(a[5].shape) or real(*a, **k))
+    got, want = _mix_both_ways(monkeypatch, m, streams, pending)
     assert calls == [(24, 144) if use_combine else (20, 144)]
-    torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
     if use_combine:
-        torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
     else:
-        assert logits is None and logits_ref is None
+        assert got[2] is None and want[2] is None
 
 
-def test_layer_mix_of_many_rows_keeps_the_gemms(tri, monkeypatch):
+def test_layer_residual_mix_of_many_rows_keeps_the_gemms(tri, monkeypatch):
     m = _hc_module(3, 48, 20, seed=0)
-    normed = torch.randn(hc_ops.MIX_GEMV_ROWS + 1, 3 * 48, device=DEV)
-    monkeypatch.setattr(tri[0], "gemv_triton", lambda *a, **k: pytest.fail("a GEMV for a GEMM's rows"))
-    (x, logits), (x_ref, logits_ref) = _mix_both_ways(monkeypatch, m, normed)
-    torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logits, logits_ref, rtol=1e-5, atol=1e-5)
+    rows = hc_ops.MIX_GEMV_ROWS + 1
+    streams = torch.randn(rows, 3 * 48, device=DEV)
+    monkeypatch.setattr(tri[1], "hc_norm_down_triton", lambda *a, **k: pytest.fail("a GEMV for a GEMM's rows"))
+    got, want = _mix_both_ways(monkeypatch, m, streams, _pending(rows, 48, 3, seed=0))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_pdl_needs_cuda_and_can_be_turned_off(monkeypatch):
@@ -173,13 +213,17 @@ def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
             monkeypatch.setenv("TIDAL_PDL", "0")  # the launch mode changes no value
             assert torch.equal(got, tri[0].gemv_triton(x, w))
             monkeypatch.setenv("TIDAL_PDL", "1")
-        for use_combine in (True, False):
+        for use_combine, residual in ((True, True), (True, False), (False, True)):
             m = _hc_module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
-            normed = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)
+            streams = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)
+            pending = None
+            if residual:
+                pending = (torch.randn(rows, HIDDEN, device="cuda", generator=g).to(dtype),
+                           torch.randn(rows, HC, device="cuda", generator=g).to(dtype))
             monkeypatch.setenv("TIDAL_KERNELS", "triton")
-            got = m.mix(normed)
+            got = m.residual_mix(streams, pending)
             monkeypatch.setenv("TIDAL_KERNELS", "torch")
-            want = m.mix(normed)
+            want = m.residual_mix(streams, pending)
             for a, b in zip(got, want, strict=True):
                 if b is None:
                     assert a is None

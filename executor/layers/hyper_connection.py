@@ -21,19 +21,18 @@ class GatedResidual(nn.Module):
 
     ``forward`` + ``residual`` is the plain form. The fused form splits at the norm instead, so that
     the residual add of one block and the norm of the next hyper-connection are one pass over ``H``
-    (one Triton kernel on the GPU)::
+    (one Triton kernel on the GPU; for a decode step's few rows, one with the ``[down; inject]``
+    projection as well)::
 
-        normed = layers[0].hc_attn.norm(H)                     # only the very first one
-        x, inj = hc_attn.mix(normed)
+        H, x, inj = layers[0].hc_attn.residual_mix(H, None)    # only the very first one: no residual
         out = mixer(x)
-        H, normed = hc_mlp.add_and_norm(H, out, inj)           # hc_mlp's own norm weight
-        x, inj = hc_mlp.mix(normed)
+        H, x, inj = hc_mlp.residual_mix(H, (out, inj))         # hc_mlp's own norm weight
         out = moe(x)
-        H, normed = next_layer.hc_attn.add_and_norm(H, out, inj)
+        H, x, inj = next_layer.hc_attn.residual_mix(H, (out, inj))
         ...                                                    # after the last layer:
-        H = GatedResidual.residual(H, out, 2 * sigmoid(inj / hc))   # or the final mixer's add_and_norm
+        H = GatedResidual.residual(H, out, 2 * sigmoid(inj / hc))   # or the final mixer's residual_mix
 
-    ``inj`` here are the raw inject logits; ``add_and_norm`` applies ``2 * sigmoid(inj / hc)``.
+    ``inj`` here are the raw inject logits; ``residual_mix`` applies ``2 * sigmoid(inj / hc)``.
     """
 
     def __init__(self, hc_count: int, hidden: int, lowrank: int, eps: float, use_combine: bool = True):
@@ -64,8 +63,7 @@ class GatedResidual(nn.Module):
         """``(block_input [T, hidden], inject_logits [T, hc] or None)`` from already-normalised streams.
 
         On the GPU the down and inject projections are one GEMM (``normed`` is the biggest operand,
-        read once) and the logits come back as a column slice of its output; a decode step's few rows
-        (at most ``MIX_GEMV_ROWS``) run the whole mix as two weight-streaming launches (``_mix_rows``).
+        read once) and the logits come back as a column slice of its output.
         """
         hc = self.hc_count
         group = tp()
@@ -78,9 +76,6 @@ class GatedResidual(nn.Module):
             start, count = self._cols
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
-        elif (use_triton(normed, "hc") and normed.dim() == 2 and normed.shape[0] <= MIX_GEMV_ROWS
-              and normed.dtype == self.input_mix_weight_up.weight.dtype):
-            return self._mix_rows(normed)
         elif self.block_inject_weight is not None and use_triton(normed, "hc"):
             down, logits = self._down_inject.split(F.linear(normed, self._down_inject.get()))
         else:
@@ -89,16 +84,29 @@ class GatedResidual(nn.Module):
         up = self.input_mix_weight_up(hc_gate_act(down, hc))
         return hc_block_input(normed, up, hc), logits
 
-    def _mix_rows(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``mix`` of a decode step's few rows in two weight-streaming launches: the ``[down; inject]``
-        projection, then the gate, the ``up`` projection and the gated mean in one."""
-        from ...kernels.gemv_triton import gemv_triton
-        from ...kernels.hyper_connection_triton import hc_mix_tail_triton
+    def residual_mix(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None,
+                     owned_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(streams, block_input, inject_logits)``: the previous block's ``pending = (block_out,
+        inject_logits)`` added to the streams (``None``: the streams as they are), then this module's norm and
+        :meth:`mix`. A decode step's few rows (at most ``MIX_GEMV_ROWS``) on the GPU take two weight-streaming
+        launches: the residual, the norm and the ``[down; inject]`` projection in one, whose programs each
+        normalise the rows themselves; then the gate, the ``up`` projection and the gated mean in one."""
+        if (tp().size == 1 and use_triton(streams, "hc") and streams.dim() == 2
+                and streams.shape[0] <= MIX_GEMV_ROWS and streams.dtype == self.input_mix_weight_up.weight.dtype):
+            from ...kernels.hyper_connection_triton import hc_mix_tail_triton, hc_norm_down_triton
 
-        stacked = self._down_inject is not None
-        y = gemv_triton(normed, self._down_inject.get() if stacked else self.input_mix_weight_down.weight)
-        block_input = hc_mix_tail_triton(y[:, :self.lowrank], self.input_mix_weight_up.weight, normed, self.hc_count)
-        return block_input, y[:, self.lowrank:self.lowrank + self.hc_count] if stacked else None
+            stacked = self._down_inject is not None
+            streams, normed, y = hc_norm_down_triton(
+                streams, pending, self.hc_count, self.hc_norm.weight, self.hc_norm.eps,
+                self._down_inject.get() if stacked else self.input_mix_weight_down.weight)
+            block_input = hc_mix_tail_triton(y[:, :self.lowrank], self.input_mix_weight_up.weight, normed,
+                                             self.hc_count)
+            return streams, block_input, y[:, self.lowrank:self.lowrank + self.hc_count] if stacked else None
+        if pending is None:
+            normed = self.norm(streams)
+        else:
+            streams, normed = self.add_and_norm(streams, *pending)
+        return (streams, *self.mix(normed, owned_rows))
 
     def full_down_weight(self) -> torch.Tensor:
         """The whole ``input_mix_weight_down`` from the TP ranks' input slices (gathered once)."""

@@ -74,14 +74,11 @@ class DecoderLayer(nn.Module):
                     streams = streams + self.ple(streams, batch, query)
                 else:
                     streams = streams + self.ple(group.all_gather(streams), batch)[own]
-            normed = hc_attn.norm(streams)
-        else:
-            streams, normed = hc_attn.add_and_norm(streams, *pending)
-        block_in, inject = hc_attn.mix(normed, owned_rows=own is not None)
+            pending = None
+        streams, block_in, inject = hc_attn.residual_mix(streams, pending, owned_rows=own is not None)
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        streams, normed = hc_mlp.add_and_norm(streams, self._block(mixer, block_in, batch, own), inject)
-        block_in, inject = hc_mlp.mix(normed, owned_rows=own is not None)
-        return streams, block_in, inject
+        pending = (self._block(mixer, block_in, batch, own), inject)
+        return hc_mlp.residual_mix(streams, pending, owned_rows=own is not None)
 
     def moe(self, block_in: torch.Tensor, inject: torch.Tensor, batch: ForwardBatch, own: slice | None = None):
         """The layer's MoE block on ``block_in``: its output still ``pending`` with ``inject``."""
@@ -163,9 +160,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         out, inject_logits = pending
         if rows is not None:
             streams, out, inject_logits = streams[rows], out[rows], inject_logits[rows]
-        mixer = self.model.hyper_connection_mixer
-        _, normed = mixer.add_and_norm(streams, out, inject_logits)
-        hidden, _ = mixer.mix(normed)
+        _, hidden, _ = self.model.hyper_connection_mixer.residual_mix(streams, (out, inject_logits))
         if into is None:
             return self.lm_head(hidden)
         return torch.mm(hidden, self.lm_head.weight.t(), out=into)
