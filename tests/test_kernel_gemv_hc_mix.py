@@ -229,3 +229,10 @@ def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
                     assert a is None
                 else:
                     _assert_near(a, b, dtype)
+
+
+@pytest.mark.gpu
+def test_the_model_takes_the_hc_kernels_gpu(same_ids_as_torch_ops):
+    """The tiny model's greedy ids with the hyper-connection kernels (a decode step's residual, norm and mix
+    in two launches), against every hyper-connection op in torch."""
+    same_ids_as_torch_ops("hc")
