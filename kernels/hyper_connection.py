@@ -2,8 +2,9 @@
 
 With streams ``H [T, hc * hidden]`` and ``normed = rms_norm(H, w, eps, group_size=hidden)`` a
 ``GatedResidual`` runs two GEMMs (``down | inject`` on ``normed``, then ``up``) around two
-element-wise stages, which are the ones here (on a GPU, a mix of at most :data:`MIX_GEMV_ROWS` rows
-runs as two launches instead: the ``down | inject`` GEMV, then the gate, ``up`` and block input in one,
+element-wise stages, which are the ones here (on a GPU, the residual and mix of at most
+:data:`MIX_GEMV_ROWS` rows run as two launches instead: the residual, norm and ``down | inject`` GEMV
+in one, ``hyper_connection_triton.hc_norm_down_triton``, then the gate, ``up`` and block input in one,
 ``hyper_connection_triton.hc_mix_tail_triton``):
 
 * :func:`hc_gate_act`: ``silu(down_out / hc)``, the low-rank activation between the two GEMMs;
@@ -24,9 +25,10 @@ import torch.nn.functional as F
 from .backend import use_triton
 from .norm import rms_norm_ref
 
-# Rows up to which a CUDA ``GatedResidual.mix`` runs as two weight-streaming Triton launches
-# (``gemv_triton``, then ``hc_mix_tail_triton``) instead of two cuBLAS GEMMs around the gate and
-# block-input kernels; measured with ``scripts/bench_decode_kernels.py --parts hc``.
+# Rows up to which a CUDA ``GatedResidual.residual_mix`` runs as two weight-streaming Triton launches
+# (``hc_norm_down_triton``, then ``hc_mix_tail_triton``) instead of the residual-norm kernel and two
+# cuBLAS GEMMs around the gate and block-input kernels; measured (with a plain GEMV for the first
+# launch) with ``scripts/bench_decode_kernels.py --parts hc``.
 MIX_GEMV_ROWS = 4
 
 

@@ -12,10 +12,12 @@ for hc 4 x hidden 2048, ~0.15 ms a pass on an H200), so each kernel makes exactl
   streams of ``normed`` and ``up_out`` and writes the gated mean, never materialising
   ``sigmoid(up_out)`` or the product.
 
-The GEMMs in between stay cuBLAS, except for a decode step's few rows: there the ``[down; inject]``
-projection is ``gemv_triton`` and ``_hc_mix_tail_kernel`` does the gate activation, the ``up``
-projection and the gated mean in one launch (one program per block of block-input features, reading
-their ``up`` rows of every stream once; launched with PDL, ``kernels/pdl``). Every rounding of the
+The GEMMs in between stay cuBLAS, except for a decode step's few rows: there ``_hc_norm_down_kernel``
+does the residual, the norm and the ``[down; inject]`` projection in one launch (each program streams
+its weight rows and normalises the few rows itself, program 0 storing the new streams and their
+normalised copy), and ``_hc_mix_tail_kernel`` the gate activation, the ``up`` projection and the gated
+mean in one (one program per block of block-input features, reading their ``up`` rows of every stream
+once); both launched with PDL (``kernels/pdl``), their weights loading before the wait. Every rounding of the
 reference's torch ops (to the tensors' dtype) is copied so that bf16 agrees with it to about an ulp.
 """
 

@@ -17,10 +17,11 @@ path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, maske
 
 Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
 
-Hyper-connection mix (``--parts hc``; hc 4 x hidden 2048, low rank 320): for T rows, the ``cublas`` arm is
-the mix as larger batches run it (the ``[down; inject]`` GEMM, the gate kernel, the ``up`` GEMM, the
-block-input kernel) and the kernel arms are ``gemv_triton`` then ``hc_mix_tail_triton`` at each launch
-shape; ``gemv`` alone and the tail alone are timed for every shape too. Dense GEMV (``--parts gemv``): the
+Hyper-connection residual and mix (``--parts hc``; hc 4 x hidden 2048, low rank 320): for T rows, the
+``cublas`` arm is the residual and mix as larger batches run them (the residual-norm kernel, the ``[down;
+inject]`` GEMM, the gate kernel, the ``up`` GEMM, the block-input kernel) and the kernel arms are
+``hc_norm_down_triton`` then ``hc_mix_tail_triton`` at each launch shape; each of the two alone is timed
+for every shape too. Dense GEMV (``--parts gemv``): the
 decode step's other projections (router, out projection, the input stacks) through ``F.linear`` and through
 ``gemv_triton``. Weights rotate over enough copies to exceed the L2 cache (a step reads each once, from HBM).
 
@@ -41,7 +42,7 @@ from bench_forward import device_ms, measure_bandwidth  # this script's folder i
 from tidal.kernels import hyper_connection as hc_k
 from tidal.kernels import moe as moe_k
 from tidal.kernels.gemv_triton import gemv_triton
-from tidal.kernels.hyper_connection_triton import hc_mix_tail_triton
+from tidal.kernels.hyper_connection_triton import hc_mix_tail_triton, hc_norm_down_triton
 from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
@@ -197,43 +198,50 @@ def bench_hc(tokens_list, bw, results):
     weights = [((torch.randn(stack_rows, width, generator=g, device="cuda") / width ** 0.5).to(dt),
                 (torch.randn(width, LOWRANK, generator=g, device="cuda") / LOWRANK ** 0.5).to(dt))
                for _ in range(copies_beyond_l2(nbytes))]
+    norm_w = (0.2 * torch.randn(width, generator=g, device="cuda")).to(dt)
     floor_us = nbytes / bw * 1e6
-    print(f"HC mix: {len(weights)} weight copies, floor {floor_us:.2f} us")
+    print(f"HC residual + mix: {len(weights)} weight copies, floor {floor_us:.2f} us")
 
-    def cublas(normed, stack, up):
+    def cublas(streams, pending, stack, up):
+        _, normed = hc_k.hc_residual_norm(streams, *pending, HC, norm_w, 1e-6)
         down, logits = F.linear(normed, stack)[:, :LOWRANK + HC].split([LOWRANK, HC], dim=-1)
         return hc_k.hc_block_input(normed, F.linear(hc_k.hc_gate_act(down, HC), up), HC), logits
 
-    def gemv_arm(normed, tile, warps, stack, up):
-        return gemv_triton(normed, stack, tile=tile, num_warps=warps)
+    def norm_down_arm(streams, pending, block_n, warps, stack, up):
+        return hc_norm_down_triton(streams, pending, HC, norm_w, 1e-6, stack, block_n=block_n, num_warps=warps)
 
     def tail_arm(down, normed, block_h, warps, stack, up):
         return hc_mix_tail_triton(down, up, normed, HC, block_h=block_h, num_warps=warps)
 
-    def kernels(normed, tile, warps, block_h, tail_warps, stack, up):
-        y = gemv_triton(normed, stack, tile=tile, num_warps=warps)
+    def kernels(streams, pending, block_n, warps, block_h, tail_warps, stack, up):
+        _, normed, y = hc_norm_down_triton(streams, pending, HC, norm_w, 1e-6, stack, block_n=block_n,
+                                           num_warps=warps)
         return hc_mix_tail_triton(y[:, :LOWRANK], up, normed, HC, block_h=block_h, num_warps=tail_warps), y
 
     for t in tokens_list:
-        normed = torch.randn(t, width, generator=g, device="cuda").to(dt)
-        row = {"tokens": t, "floor_us": floor_us, "cublas_us": rotated_us(functools.partial(cublas, normed), weights)}
-        line = f"HC T={t:>3} cublas {row['cublas_us']:6.2f} us"
+        streams = torch.randn(t, width, generator=g, device="cuda").to(dt)
+        pending = (torch.randn(t, H, generator=g, device="cuda").to(dt), torch.randn(t, HC, generator=g,
+                                                                                    device="cuda").to(dt))
+        row = {"tokens": t, "floor_us": floor_us,
+               "cublas_us": rotated_us(functools.partial(cublas, streams, pending), weights)}
+        line = f"HC T={t:>3} residual norm + cublas {row['cublas_us']:6.2f} us"
         if t <= 8:
+            normed = torch.randn(t, width, generator=g, device="cuda").to(dt)
             down = torch.randn(t, stack_rows, generator=g, device="cuda").to(dt)[:, :LOWRANK]
-            gemv = {(tile, w): rotated_us(functools.partial(gemv_arm, normed, tile, w), weights)
-                    for tile in (2048, 4096, 8192, 16384) for w in (4, 8)}
+            first = {(bn, w): rotated_us(functools.partial(norm_down_arm, streams, pending, bn, w), weights)
+                     for bn in (1, 2, 4) for w in (4, 8, 16)}
             tail = {(bh, w): rotated_us(functools.partial(tail_arm, down, normed, bh, w), weights)
                     for bh in (1, 2, 4, 8) for w in (1, 2, 4)}
-            (tile, w), (bh, w2) = min(gemv, key=gemv.get), min(tail, key=tail.get)
-            row["gemv_us"] = {f"tile{k[0]}/w{k[1]}": v for k, v in gemv.items()}
+            (bn, w), (bh, w2) = min(first, key=first.get), min(tail, key=tail.get)
+            row["norm_down_us"] = {f"bn{k[0]}/w{k[1]}": v for k, v in first.items()}
             row["tail_us"] = {f"bh{k[0]}/w{k[1]}": v for k, v in tail.items()}
-            gemv_best, tail_best = f"tile{tile}/w{w}", f"bh{bh}/w{w2}"
-            best = functools.partial(kernels, normed, tile, w, bh, w2)
+            first_best, tail_best = f"bn{bn}/w{w}", f"bh{bh}/w{w2}"
+            best = functools.partial(kernels, streams, pending, bn, w, bh, w2)
             row["kernels_us"] = rotated_us(best, weights)
-            row["best"] = (gemv_best, tail_best)
-            line += (f"  kernels {row['kernels_us']:6.2f} us ({gemv_best} {row['gemv_us'][gemv_best]:.2f} + "
+            row["best"] = (first_best, tail_best)
+            line += (f"  kernels {row['kernels_us']:6.2f} us ({first_best} {row['norm_down_us'][first_best]:.2f} + "
                      f"{tail_best} {row['tail_us'][tail_best]:.2f})  floor/kernels {floor_us / row['kernels_us']:.3f}")
-            got, want = best(*weights[0])[0], cublas(normed, *weights[0])[0]
+            got, want = best(*weights[0])[0], cublas(streams, pending, *weights[0])[0]
             row["max_abs_diff"] = float((got.float() - want.float()).abs().max())
         print(line, flush=True)
         results["hc"].append(row)
