@@ -119,15 +119,23 @@ def _hc_norm_down_kernel(h_ptr, b_ptr, l_ptr, nw_ptr, wd_ptr, new_ptr, normed_pt
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], acc.to(dt), mask=(rows < ROWS)[:, None] & nmask[None, :])
 
 
+# (block_n, num_warps) of hc_norm_down_triton. At the bench shapes (hc 4 x 2048, 324 output rows) with
+# scripts/bench_decode_kernels.py --parts hc, at 1 / 2 / 4 rows: 3.08 / 4.87 / 8.03 us, against 3.52 / 7.91 /
+# 14.78 with 2 rows a program and 5.07 / 8.28 / 19.64 with 1 (docs/device/2026-12-01b/call7/).
+NORM_DOWN_CONFIG = (4, 8)
+
+
 def hc_norm_down_triton(streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, hc: int,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        block_n: int = 2, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, block_n: int | None = None,
+                        num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(new_streams, normed, normed @ weight.T)`` for the few rows of a decode step, one launch: the injected
     residual ``pending = (block_out, inject_logits)`` (:func:`hc_residual_norm_triton`; ``None``: the streams as
     they are, returned themselves), the grouped RMS norm, and the ``[down; inject]`` projection ``weight
     [N, hc * hidden]``. Every program normalises the rows itself (they are a few KB, read from L2) rather than
-    waiting for a norm kernel; a program reads ``block_n`` weight rows.
+    waiting for a norm kernel; a program reads ``block_n`` weight rows (``block_n`` and ``num_warps`` override
+    :data:`NORM_DOWN_CONFIG`).
     """
+    block_n, num_warps = block_n or NORM_DOWN_CONFIG[0], num_warps or NORM_DOWN_CONFIG[1]
     rows, width = streams.shape
     hidden = width // hc
     if hidden * hc != width or weight.shape[1] != width or norm_weight.numel() != width:
