@@ -100,7 +100,7 @@ def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
 def test_norm_down_matches_reference(tri, rows, hc, hidden, n_out, residual):
     """The residual (or none), the grouped norm and the ``[down; inject]`` GEMV in one kernel, against
     ``hc_residual_norm_ref`` (or ``rms_norm_ref``) and ``F.linear``: hidden sizes not powers of two, three
-    streams, the inject logits a column slice, several programs (4 weight rows each) and a partial last one."""
+    streams, the inject logits a column slice, several programs (2 weight rows each) and a partial last one."""
     from tidal.kernels.norm import rms_norm_ref
 
     g = torch.Generator().manual_seed(rows + hidden)
