@@ -5,7 +5,8 @@ against the three launches it replaces (gates, recurrent step, gated norm).
 
 16 key heads and 32 value heads of 128, bf16 projections, fp32 states in a pool of 64 slots. Each variant is
 captured 20 times over in one CUDA graph (launched with PDL, as in a decode graph) and the graph's replay
-timed with CUDA events; prints microseconds a call and the state bytes' rate (read and written once).
+timed with CUDA events (``bench_decode_gemm.per_call``); prints microseconds a call and the state bytes'
+rate (read and written once).
 """
 
 from __future__ import annotations
@@ -13,34 +14,11 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_decode_gemm import per_call  # this script's folder is first on sys.path
 
 from tidal.kernels import gdn_decode_triton
 from tidal.kernels.gdn_gates_triton import gdn_gates
 from tidal.kernels.norm_triton import gated_rms_norm_triton
-
-CALLS = 20
-
-
-def graph_us(fn) -> float:
-    """Microseconds a call of ``fn`` takes replayed from a graph of :data:`CALLS` calls (median of 20)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
 
 
 def run_batch(batch: int, warps_list: list[int]) -> None:
@@ -65,11 +43,11 @@ def run_batch(batch: int, warps_list: list[int]) -> None:
         core = gdn_decode_triton.gdn_decode(q, k, v, gd, beta, pool, slots, fresh)
         gated_rms_norm_triton(core, z.unflatten(-1, (hv, dv)), norm_w, 1e-6)
 
-    us = graph_us(parts)
+    us = per_call(parts) * 1e6
     print(f"batch {batch:3d}: gates + step + norm  {us:7.2f} us  ({state_bytes / us / 1e6:.2f} TB/s)", flush=True)
     for warps in warps_list:
-        us = graph_us(lambda warps=warps: gdn_decode_triton.gdn_decode_step(
-            qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool, slots, fresh, num_warps=warps))
+        us = per_call(lambda warps=warps: gdn_decode_triton.gdn_decode_step(
+            qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool, slots, fresh, num_warps=warps)) * 1e6
         print(f"batch {batch:3d}: step kernel, {warps:2d} warps {us:7.2f} us  ({state_bytes / us / 1e6:.2f} TB/s)",
               flush=True)
 
