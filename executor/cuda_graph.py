@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from ..kernels.backend import use_triton
+from ..kernels.backend import next_pow2, use_triton
 from .forward_batch import ForwardBatch, QSABlocks, RowGroup
 from .upload import device_ints
 
@@ -45,10 +45,6 @@ logger = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # The smallest QSA block count a graph is captured for (64 blocks of 64 keys: a 4K context).
 MIN_BLOCKS = 64
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class DecodeGraphs:
@@ -123,7 +119,7 @@ class DecodeGraphs:
             return size, 0
         blocks = max(p + 1 for p in positions) // self.ratio
         cap = self.max_pages * self.page_size // self.ratio
-        return size, max(1, min(max(MIN_BLOCKS, _next_pow2(blocks)), cap))
+        return size, max(1, min(max(MIN_BLOCKS, next_pow2(blocks)), cap))
 
     # -- the step ----------------------------------------------------------------------------------
 

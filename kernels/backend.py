@@ -36,7 +36,7 @@ KERNELS = (
     "decode_prep",    # a decode graph's per-row tensors (kernels/decode_prep_triton)
     "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
     "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
-    "gdn_step",       # GDN decode-only step: gates, recurrence and gated norm in one kernel (kernels/gdn_varlen)
+    "gdn_step",       # GDN decode step: gates, recurrence, gated norm in one kernel (needs gdn, gdn_gates, norm)
     "gemv",           # projections of a decode step's few rows (kernels/gemv)
     "greedy",         # a decode graph's arg-max of its logits (kernels/greedy_triton)
     "hc",             # hyper-connection kernels (kernels/hyper_connection, executor/layers/hyper_connection)
@@ -95,3 +95,9 @@ def use_triton(t: torch.Tensor, name: str | None = None) -> bool:
     if every or (name is not None and name in names):
         return False
     return _triton_importable()
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``): the size a Triton tile pads ``n`` to, for
+    host code that must not import triton."""
+    return 1 << max(0, n - 1).bit_length()

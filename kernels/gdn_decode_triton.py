@@ -118,7 +118,8 @@ def _gdn_step_kernel(
 ):
     """Launched with PDL, a program loads the head's state, the gate parameters and the norm weight before
     its wait: the slots are the forward's inputs (on the device before its first kernel) and a slot's state
-    was last written by the step before this one. The fresh flags and the projections are this forward's
+    was last written by an earlier forward (it serves generated-token decodes only; ``kernels/pdl`` says why
+    that write is complete). The fresh flags and the projections are this forward's
     own (read after the wait); a fresh row's state is replaced by zeros without arithmetic on what the slot
     held."""
     pdl_launch_next(PDL)

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from .backend import use_triton
+from .backend import next_pow2, use_triton
 from .gdn import chunk_gated_delta_rule, gdn_decode_ref, gdn_gates
 from .norm import gated_rms_norm, l2_norm
 
@@ -96,24 +96,32 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return gdn_decode_ref(q, k, v, g, beta, state_pool, slots, fresh)
 
 
+# The largest (power-of-two padded) dk x dv state a step program holds in registers (a 128 x 128 head);
+# larger heads take the three launches.
+STEP_MAX_STATE = 128 * 128
+
+
 def gdn_decode_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
                     dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, activation: str,
                     state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """A batch of decode rows after the conv: the gates, the recurrent step (the states updated in place in
     their slots, as :func:`gdn_decode`) and the gated output norm, ``[B, Hv * dv]``; one Triton launch on the
-    GPU, :func:`gdn_gates`, :func:`gdn_decode` and :func:`~tidal.kernels.norm.gated_rms_norm` otherwise.
+    GPU (a head's state up to :data:`STEP_MAX_STATE` elements, padded to powers of two), :func:`gdn_gates`,
+    :func:`gdn_decode` and :func:`~tidal.kernels.norm.gated_rms_norm` otherwise, and whenever ``TIDAL_KERNELS``
+    sends ``gdn_step`` or any of those three (``gdn``, ``gdn_gates``, ``norm``) to torch.
 
     Args: qkv ``[B, 2 * Hk * dk + Hv * dv]`` the conv output (q, k raw); z ``[B, Hv * dv]``; b, a ``[B, Hv]``
     (the ``in_proj_b`` / ``in_proj_a`` outputs); a_log, dt_bias ``[Hv]``; norm_weight ``[dv]``; activation
     ``"silu"`` or ``"sigmoid"`` (the output gate's); state_pool ``[S, Hv, dk, dv]`` fp32; slots, fresh ``[B]``.
     Every tensor but the pool may be a column slice with unit stride along its last dimension.
     """
-    if use_triton(qkv, "gdn_step"):
+    v_heads, dk, dv = state_pool.shape[1:]
+    if (next_pow2(dk) * next_pow2(dv) <= STEP_MAX_STATE and use_triton(qkv, "gdn_step") and use_triton(qkv, "gdn")
+            and use_triton(qkv, "gdn_gates") and use_triton(qkv, "norm")):
         from .gdn_decode_triton import gdn_decode_step as triton_step
 
         return triton_step(qkv, z, b, a, a_log, dt_bias, norm_weight, norm_eps, activation, state_pool, slots, fresh)
     batch = qkv.shape[0]
-    v_heads, dk, dv = state_pool.shape[1:]
     key_dim = (qkv.shape[1] - v_heads * dv) // 2
     q, k, v = torch.split(qkv, [key_dim, key_dim, v_heads * dv], dim=-1)
     g, beta = gdn_gates(a, b, a_log, dt_bias)

@@ -7,7 +7,8 @@ torch's arg-max of one 248K-wide row is one reduction kernel of about 8 us, then
 grid ``(rows, parts)``, reduces a chunk of a row each (its value and index); ``_argmax_final_kernel``, one
 program a row, picks the best chunk and stores the id and the slot's last id. Ties go to the lowest index,
 as torch's arg-max: within a chunk by the reduction's left tie-break, across chunks (in index order) by the
-same and by a strict comparison in the chunk's loop.
+same and by a strict comparison in the chunk's loop. A NaN logit is passed over (torch's arg-max would return
+its index); a model whose logits hold NaN has failed either way.
 """
 
 from __future__ import annotations

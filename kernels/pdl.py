@@ -8,7 +8,11 @@ The weight-streaming kernels load their weights before the wait (nothing in a st
 ``StackedWeight`` synchronises once it has built a stack) and the activations after it. Each of these
 kernels calls ``gdc_launch_dependents()`` on entry, so that the next PDL kernel may be scheduled as soon
 as SMs free up; the decode MoE's gate_up kernel calls it after its wait instead, so that the down kernel
-after it may read the router's expert ids (and load those experts' weights) before its own wait. A
+after it may read the router's expert ids (and load those experts' weights) before its own wait. The GDN
+step kernel (``gdn_decode_triton._gdn_step_kernel``, generated-token decodes only) loads its recurrent
+states before the wait: the slots are the forward's inputs, copied before its first kernel, and a slot's
+state was last written by the same layer of an earlier forward, from which a kernel launched without PDL
+(the graph replay's boundary, the sampling, or an eager forward's embedding gather) separates it. Any other
 kernel that reads or writes anything the previous kernel may touch does so only after ``gdc_wait()``;
 both calls are no-ops in a launch without PDL. Captured in a CUDA graph the launches become programmatic
 edges.

@@ -427,8 +427,8 @@ def test_gdn_decode_step_kernel_matches_references(k_heads, v_heads, act):
 
 
 def test_gdn_decode_step_dispatch_is_the_parts_off_the_gpu():
-    """On the CPU (or under TIDAL_KERNELS=torch:gdn_step) the layer's step is gates, decode and norm: the
-    same numbers as the references, bit for bit."""
+    """Off the GPU the layer's step is gates, decode and norm one after the other: the same numbers as the
+    references, bit for bit (this checks the dispatcher's split of ``qkv`` into heads)."""
     from tidal.kernels.gdn_varlen import gdn_decode_step
 
     gen = torch.Generator().manual_seed(6)

@@ -100,13 +100,13 @@ def _block(hidden: int, seed: int, dtype=torch.float32):
 def _chain(mods, block_fns, streams, fused: bool):
     """Two blocks through ``mods[0..1]``, then the block input of ``mods[2]``; returns every output."""
     outs = []
-    if fused:
-        normed = mods[0].norm(streams)
+    if fused:  # as the model runs them (``GatedResidual.residual_mix``)
+        streams, x, logits = mods[0].residual_mix(streams, None)
         for i, fn in enumerate(block_fns):
-            x, logits = mods[i].mix(normed)
-            streams, normed = mods[i + 1].add_and_norm(streams, fn(x), logits)
-            outs += [x, streams]
-        outs.append(mods[-1].mix(normed)[0])
+            new_streams, next_x, next_logits = mods[i + 1].residual_mix(streams, (fn(x), logits))
+            outs += [x, new_streams]
+            streams, x, logits = new_streams, next_x, next_logits
+        outs.append(x)
     else:
         for i, fn in enumerate(block_fns):
             x, inject = _old_forward(mods[i], streams)

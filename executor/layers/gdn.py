@@ -61,7 +61,7 @@ class GatedDeltaNet(nn.Module):
         rec_slots = batch.states.gdn_state[self.layer_idx]
         weight = self.conv1d.weight[:, 0, :]
         d, p = batch.decode, batch.prefill
-        if d.num_rows and not p.num_rows:  # decode rows only: the conv, then one step kernel on the GPU
+        if batch.decode_only and d.num_rows:  # generated-token decodes only: the conv, then one step kernel
             conv = causal_conv1d_update(qkv, conv_slots, weight, d.slots, d.fresh)
             out = gdn_decode_step(conv, z, b, a, self.A_log, self.dt_bias, self.norm.weight, self.eps, self.gate_act,
                                   rec_slots, d.slots, d.fresh)

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.backend import use_triton
+from ...kernels.backend import next_pow2, use_triton
+from ...kernels.gemv import MAX_K
 from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
@@ -90,9 +91,13 @@ class GatedResidual(nn.Module):
         inject_logits)`` added to the streams (``None``: the streams as they are), then this module's norm and
         :meth:`mix`. A decode step's few rows (at most ``MIX_GEMV_ROWS``) on the GPU take two weight-streaming
         launches: the residual, the norm and the ``[down; inject]`` projection in one, whose programs each
-        normalise the rows themselves; then the gate, the ``up`` projection and the gated mean in one."""
-        if (tp().size == 1 and use_triton(streams, "hc") and streams.dim() == 2
-                and streams.shape[0] <= MIX_GEMV_ROWS and streams.dtype == self.input_mix_weight_up.weight.dtype):
+        normalise the rows themselves; then the gate, the ``up`` projection and the gated mean in one (a row's
+        streams, padded to powers of two, up to ``kernels.gemv.MAX_K`` features)."""
+        dtype = streams.dtype
+        if (tp().size == 1 and use_triton(streams, "hc") and streams.dim() == 2 and streams.shape[0] <= MIX_GEMV_ROWS
+                and dtype == self.input_mix_weight_up.weight.dtype and self.lowrank <= MAX_K
+                and next_pow2(self.hc_count) * next_pow2(self.hidden) <= MAX_K
+                and (pending is None or pending[0].dtype == pending[1].dtype == dtype)):
             from ...kernels.hyper_connection_triton import hc_mix_tail_triton, hc_norm_down_triton
 
             stacked = self._down_inject is not None

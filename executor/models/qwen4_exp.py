@@ -41,7 +41,7 @@ class DecoderLayer(nn.Module):
         """One layer over the streams ``H``.
 
         The residual add of a block and the norm of the next hyper-connection are one pass over
-        ``H`` (``GatedResidual.add_and_norm``), so a layer receives the previous block's output
+        ``H`` (``GatedResidual.residual_mix``), so a layer receives the previous block's output
         still ``pending`` (``(block_out, inject_logits)``, or ``None`` before the first layer) and
         hands its own MoE output on the same way. PLE reads the streams themselves, so a PLE layer
         applies the pending residual first and normalises after adding its embedding.
