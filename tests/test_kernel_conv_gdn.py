@@ -469,3 +469,22 @@ def test_gpu_gdn_decode_step_bench_shapes(dtype):
 def test_the_model_takes_the_step_kernel_gpu(same_ids_as_torch_ops):
     """The tiny model's greedy ids with the step kernel, against gates, decode and norm one after the other."""
     same_ids_as_torch_ops("gdn_step")
+
+
+def test_only_generated_token_decodes_take_the_step(tiny_checkpoint, monkeypatch):
+    """A prompt row never takes the decode step (not even a one-token prompt, whose forward is a single
+    decode-shaped row): it computes alike whatever shares its forward. Each decode forward calls it once a
+    GDN layer."""
+    from tidal import LLM
+    from tidal.executor.layers import gdn as gdn_layer
+
+    calls = []
+    real = gdn_layer.gdn_decode_step
+    monkeypatch.setattr(gdn_layer, "gdn_decode_step", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    llm = LLM(tiny_checkpoint, device="cpu", dtype="float32", max_prefill_length=64)
+    layers = sum(layer.is_linear for layer in llm.runner.model.model.layers)
+    llm.generate([[5, 6, 7, 8]], max_tokens=1, ignore_eos=True)
+    llm.generate([[9]], max_tokens=1, ignore_eos=True)
+    assert calls == []
+    llm.generate([[5, 6, 7, 8]], max_tokens=3, ignore_eos=True)
+    assert calls == [1] * (2 * layers)
