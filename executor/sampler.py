@@ -148,10 +148,11 @@ class Sampler:
         return self.sample(logits, params, indices, counts).tolist() if params else []
 
     @staticmethod
-    def plain_greedy(params: list[SamplingParams], indices: list[int]) -> bool:
-        """Every row greedy with nothing that adjusts its logits (no history counts given): its token is the
-        plain arg-max of the model's logits."""
-        return all(p.greedy for p in params) and not any(_adjusted_rows(params, indices, None))
+    def plain_greedy(params: list[SamplingParams], indices: list[int],
+                     counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> bool:
+        """Every row greedy with nothing that adjusts its logits (penalties only where ``counts`` are given):
+        its token is the plain arg-max of the model's logits."""
+        return all(p.greedy for p in params) and not any(_adjusted_rows(params, indices, counts))
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                counts: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> torch.Tensor:
@@ -161,8 +162,7 @@ class Sampler:
         ``logits`` may be in a narrower float dtype (a decode graph's): the arg-max of a greedy row without
         adjustments is the same token there as in fp32 (the widening is exact), and anything else works on
         an fp32 copy."""
-        if logits.dtype != torch.float32 and (any(_adjusted_rows(params, indices, counts))
-                                              or not all(p.greedy for p in params)):
+        if logits.dtype != torch.float32 and not self.plain_greedy(params, indices, counts):
             logits = logits.float()
         logits = adjust_logits(logits, params, indices, counts)
         out = torch.argmax(logits, dim=-1)
