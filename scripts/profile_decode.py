@@ -15,6 +15,7 @@ serves both, the graphs set aside while no request runs. Writes ``DIR/profile_de
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import tempfile
@@ -59,10 +60,16 @@ def kernel_table(prof, steps: int, top: int) -> str:
 
 def kernel_order(prof) -> str:
     """The kernels of one step in launch order with their microseconds: those between the last two
-    launches of the step's longest kernel (the vocabulary projection, once a step)."""
+    launches of the longest of the kernels launched once a step (the fewest times, at least twice:
+    the vocabulary projection; at large batches a MoE kernel is longer, but launched once a layer)."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    longest = max(spans, key=lambda s: s[1] - s[0])[2]
+    counts = collections.Counter(s[2] for s in spans)
+    fewest = min((n for n in counts.values() if n >= 2), default=0)
+    once = [s for s in spans if counts[s[2]] == fewest]
+    if not once:
+        return "  fewer than two steps profiled"
+    longest = max(once, key=lambda s: s[1] - s[0])[2]
     marks = [i for i, s in enumerate(spans) if s[2] == longest]
     if len(marks) < 2:
         return "  fewer than two steps profiled"
