@@ -49,7 +49,6 @@ KERNELS = (
     "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)
     "qsa_select",     # QSA block scores + top-k in one kernel (kernels/qsa_triton)
     "route",          # router softmax + top-k (kernels/moe.route)
-    "router",         # a decode step's router projection + route in one kernel (kernels/moe.router; needs gemv, route)
     "shared_expert",  # the shared expert's [gate; up] GEMM and SiLU-gate
     "stacked",        # GDN's and attention's input projections as one GEMM
 )

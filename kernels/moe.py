@@ -3,8 +3,7 @@
 ``fused_experts`` sorts the (token, expert) assignments by expert and runs gate_up and down as two
 grouped GEMMs over the jagged per-expert row ranges (torch's grouped GEMM: one launch each, no
 loop over experts, no host sync; it runs on the CPU too). ``fused_experts_ref`` is the per-expert
-loop it is checked against. On CUDA, ``route`` is one Triton launch (``router`` one with the router's
-projection, for a decode step's few rows), and small decode forwards run
+loop it is checked against. On CUDA, ``route`` is one Triton launch, and small decode forwards run
 the routed and shared experts as the GEMV kernels of ``moe_decode_triton`` (:func:`gemv_applies`).
 """
 
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
-from .gemv import GEMV_ROWS, MAX_K, linear
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -44,19 +42,6 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
         return route_triton(router_logits, top_k, renormalize)
     return route_ref(router_logits, top_k, renormalize)
-
-
-def router(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route` of the router's projection ``x @ gate.T``. On CUDA, up to :data:`~tidal.kernels.gemv.GEMV_ROWS`
-    rows with the gate in x's dtype (a decode step's) take one launch, projection and route
-    (``moe_decode_triton.router_triton``: the logits as :func:`~tidal.kernels.gemv.linear` computes them);
-    off with ``TIDAL_KERNELS=torch:router`` (or ``gemv``, or ``route``)."""
-    if (x.dim() == 2 and x.shape[0] <= GEMV_ROWS and gate.shape[1] <= MAX_K and gate.dtype == x.dtype
-            and use_triton(x, "router") and use_triton(x, "gemv") and use_triton(x, "route")):
-        from .moe_decode_triton import router_triton
-
-        return router_triton(x, gate, top_k, renormalize)
-    return route(linear(x, gate), top_k, renormalize)
 
 
 def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

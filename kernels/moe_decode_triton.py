@@ -7,13 +7,10 @@ At decode sizes a token's ten experts are ten distinct weight matrices read once
 streaming weights at memory bandwidth, and what costs is everything around it (sorting assignments by
 expert, padding them to GEMM tiles, two grouped GEMMs with their setup kernels, the SiLU-gate, the
 combine, and the shared expert's own two GEMMs, gate, sigmoid and add: about 25 launches a layer).
-Here a layer's MoE is three launches (two after a router that is not a decode step's few rows):
+Here a layer's MoE after the router GEMM is four launches:
 
-1. ``_router_kernel`` (decode steps of at most :data:`tidal.kernels.gemv.GEMV_ROWS` rows) or the router
-   GEMM then ``_route_kernel``: softmax over the expert logits in fp32, the top-k by repeated arg-max
-   (ties go to the lower expert id), renormalised if the model says so. ``_router_kernel`` computes the
-   logits as ``gemv_triton`` does and routes in its last program (``arrival``); ``_route_kernel`` takes
-   one program per token.
+1. ``_route_kernel``, one program per token: softmax over the expert logits in fp32, the top-k by
+   repeated arg-max (ties go to the lower expert id), renormalised if the model says so.
 2. ``_gate_up_kernel``, grid ``(T * (K + S), cdiv(I, BLOCK_N))`` (``S`` = 1 with a shared expert):
    each program takes one (token, expert) assignment (the shared expert is assignment ``K``) and
    ``BLOCK_N`` of its intermediate columns, reads the gate and up rows of that expert against the
@@ -23,9 +20,8 @@ Here a layer's MoE is three launches (two after a router that is not a decode st
    per assignment keeps every expert's read in flight at once: a program that walked a token's ten
    experts in turn waited for ten dependent HBM round trips (17.5 us a layer at one token, against
    14.7 us for ``gate_up``'s twice as many bytes; docs/device/2026-11-29e/call6/profile_kernels.log).
-   The last of a token's programs over a column block to finish (``arrival``) sums the block: the
-   routing-weighted parts in expert order, plus the shared part; fp32 and one rounding at the end.
-   Deterministic: the sum's order does not depend on which program arrives last.
+4. ``_combine_kernel``, grid ``(T, cdiv(H, 512))``: the routing-weighted sum of a token's parts in
+   expert order, plus the shared part; fp32 and one rounding at the end. Deterministic: no atomics.
 
 Each assignment reads its expert's weights once, so a batch whose tokens share experts reads those
 weights once per token (from L2 when it can): the kernels serve batches up to
@@ -41,7 +37,6 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .arrival import arrive_last, counters, rearm
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
@@ -50,9 +45,14 @@ ROUTE_WARPS = 1
 
 
 @triton.jit
-def _route_row(logits, e, ok, w_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr):
-    """One token's route from its fp32 logits over experts ``e`` (``ok`` masks the padding): the top-k
-    probabilities (renormalised if ``RENORM``) and their expert ids, stored at ``w_ptr`` and ``ids_ptr``."""
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < n_experts
+    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, 0))
     p = tl.where(ok, p, 0.0)
     probs = p / tl.sum(p, 0)
@@ -68,49 +68,8 @@ def _route_row(logits, e, ok, w_ptr, ids_ptr, TOP_K: tl.constexpr, K_PAD: tl.con
     if RENORM:
         vals = vals / tl.sum(vals, 0)
     out = kk < TOP_K
-    tl.store(w_ptr + kk, vals.to(w_ptr.dtype.element_ty), mask=out)
-    tl.store(ids_ptr + kk, idx, mask=out)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, w_ptr, ids_ptr, n_experts, stride_l,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                  PDL: tl.constexpr):
-    pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < n_experts
-    logits = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
-    _route_row(logits, e, ok, w_ptr + t * TOP_K, ids_ptr + t * TOP_K, TOP_K, K_PAD, RENORM)
-
-
-@triton.jit
-def _router_kernel(x_ptr, gate_ptr, logits_ptr, w_ptr, ids_ptr, count_ptr, n_experts, hidden, stride_x, stride_g,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    """The router's projection of ``ROWS`` rows as the weight-streaming GEMV (``gemv_triton``: ``BLOCK_N``
-    whole gate rows a program, loaded before the PDL wait, one fp32 dot a logit rounded to the logits'
-    dtype), then the route in the program that finishes last (``arrival``), from the rounded logits."""
-    pdl_launch_next(PDL)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    nmask = n < n_experts
-    kmask = k < hidden
-    g = tl.load(gate_ptr + n.to(tl.int64)[:, None] * stride_g + k[None, :],
-                mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-    pdl_wait(PDL)
-    for m in tl.static_range(ROWS):
-        x = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
-        y = tl.sum(g * x[None, :], axis=1)
-        tl.store(logits_ptr + m * n_experts + n, y.to(logits_ptr.dtype.element_ty), mask=nmask)
-    if arrive_last(count_ptr, tl.num_programs(0)):
-        e = tl.arange(0, BLOCK_E)
-        ok = e < n_experts
-        for m in tl.static_range(ROWS):
-            logits = tl.load(logits_ptr + m * n_experts + e, mask=ok, other=float("-inf"),
-                             cache_modifier=".cg").to(tl.float32)
-            _route_row(logits, e, ok, w_ptr + m * TOP_K, ids_ptr + m * TOP_K, TOP_K, K_PAD, RENORM)
-        rearm(count_ptr)
+    tl.store(w_ptr + t * TOP_K + kk, vals.to(w_ptr.dtype.element_ty), mask=out)
+    tl.store(ids_ptr + t * TOP_K + kk, idx, mask=out)
 
 
 def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -128,47 +87,6 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         _route_kernel[(tokens,)](logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
                                  K_PAD=triton.next_power_of_2(top_k), BLOCK_E=block, RENORM=renormalize,
                                  num_warps=num_warps, **pdl.launch_args(logits))
-    return weights, ids
-
-
-# The router's launch shape: gate weights a program reads (``gemv_triton``'s tile) and warps. The route
-# runs in the last program, its top-k a chain of reductions over the experts.
-ROUTER_TILE = 4096
-ROUTER_WARPS = 8
-
-
-def router_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, renormalize: bool,
-                  tile: int = ROUTER_TILE, num_warps: int = ROUTER_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tidal.kernels.moe.route` of ``x @ gate.T`` for the few rows of a decode step (``x [T, H]``,
-    T <= :data:`tidal.kernels.gemv.MAX_ROWS`; ``gate [E, H]`` in x's dtype): ``(weights [T, K] in x's
-    dtype, expert ids [T, K] int64)`` in one launch."""
-    from .gemv import MAX_K, MAX_ROWS
-    from .gemv_triton import block_n
-
-    tokens, hidden = x.shape
-    experts = gate.shape[0]
-    if gate.shape[1] != hidden:
-        raise ValueError(f"x {tuple(x.shape)} and the router's gate {tuple(gate.shape)} do not multiply")
-    if not 0 < top_k <= experts:
-        raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({experts})")
-    if tokens > MAX_ROWS or hidden > MAX_K:
-        raise ValueError(f"router_triton takes at most {MAX_ROWS} rows and {MAX_K} input features, "
-                         f"got {tokens} x {hidden}")
-    weights = torch.empty(tokens, top_k, dtype=x.dtype, device=x.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
-    if tokens == 0:
-        return weights, ids
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if gate.stride(1) != 1:
-        gate = gate.contiguous()
-    logits = torch.empty(tokens, experts, dtype=x.dtype, device=x.device)
-    bn = block_n(experts, hidden, tile)
-    _router_kernel[(triton.cdiv(experts, bn),)](
-        x, gate, logits, weights, ids, counters(x.device, "router", 1), experts, hidden, x.stride(0),
-        gate.stride(0), ROWS=tokens, BLOCK_N=bn, BLOCK_K=triton.next_power_of_2(hidden),
-        BLOCK_E=triton.next_power_of_2(experts), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        RENORM=renormalize, num_warps=num_warps, **pdl.launch_args(x))
     return weights, ids
 
 
@@ -244,14 +162,12 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
 
 
 @triton.jit
-def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr, out_ptr, count_ptr,
-                 hidden, inter, s_inter, act_width, sx_t, sd_e, so_t,
+def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr,
+                 hidden, inter, s_inter, act_width, sx_t, sd_e,
                  TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
-    """One (token, expert) assignment's ``down`` rows against its activation, an fp32 part, unweighted; the
-    shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``. The last of a token's
-    assignments to store its part of a column block (``arrival``) sums the parts there: ``sum_k w_k *
-    part_k`` in expert order, plus the shared part, fp32, rounded once to the output's dtype.
+    """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
+    shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``.
 
     Launched with PDL it starts while ``_gate_up_kernel`` finishes: the expert ids are the router's (whose
     grid has completed once every gate_up program has passed its wait, see there), so a program loads its
@@ -290,25 +206,36 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, rw_ptr, down_ptr, sdown_ptr, sgate_ptr
             gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
         part = part / (1.0 + tl.exp(-tl.sum(gate, 0)))
     tl.store(part_ptr + a * hidden + cols, part, mask=cmask)
-    count = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
-    if arrive_last(count, per_token):
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for j in tl.static_range(TOP_K):
-            weight = tl.load(rw_ptr + t * TOP_K + j).to(tl.float32)
-            acc += weight * tl.load(part_ptr + (t * per_token + j) * hidden + cols, mask=cmask, other=0.0,
-                                    cache_modifier=".cg")
-        if SHARED:
-            acc += tl.load(part_ptr + (t * per_token + TOP_K) * hidden + cols, mask=cmask, other=0.0,
-                           cache_modifier=".cg")
-        tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
-        rearm(count)
+
+
+@triton.jit
+def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """``sum_k w_k * part_k`` over a token's routed experts in order, then plus the shared expert's part;
+    fp32, one rounding."""
+    pdl_enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    per_token: tl.constexpr = TOP_K + SHARED
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k in tl.static_range(TOP_K):
+        weight = tl.load(rw_ptr + t * TOP_K + k).to(tl.float32)
+        acc += weight * tl.load(part_ptr + (t * per_token + k) * hidden + cols, mask=cmask, other=0.0)
+    if SHARED:
+        acc += tl.load(part_ptr + (t * per_token + TOP_K) * hidden + cols, mask=cmask, other=0.0)
+    tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# Output features a combine program sums.
+COMBINE_BLOCK = 512
 
 
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``, plus
-    ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; two launches.
+    ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; three launches.
 
     Args: x ``[T, H]``; ids, weights ``[T, K]``; gate_up ``[E, 2I, H]`` (gate rows first); down
     ``[E, H, I]``; ``shared = (gate_up_s [2Is, H], down_s [H, Is], gate [1, H] or [H])``. Weights in
@@ -343,11 +270,13 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
         BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
-    blocks = triton.cdiv(hidden, cfg_b.block_n)
-    _down_kernel[(tokens * per_token, blocks)](
-        x, act, ids, weights.contiguous(), down, s_down, s_gate, part, out,
-        counters(x.device, "moe_down", tokens * blocks), hidden, inter, s_inter, width, x.stride(0),
-        down.stride(0), out.stride(0), TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
+    _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
+        x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps, **launch)
+    block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
+    _combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        part, weights.contiguous(), out, hidden, out.stride(0), TOP_K=top_k, SHARED=shared is not None,
+        BLOCK_N=block, num_warps=4, **launch)
     return out

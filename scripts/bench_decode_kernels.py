@@ -2,7 +2,7 @@
 (as decode runs them).
 
     python scripts/bench_decode_kernels.py --out DIR [--parts route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
-        [--contexts 8192,32768,131072] [--prefill 32768]   (parts: route, router, moe, qsa, hc, gemv)
+        [--contexts 8192,32768,131072] [--prefill 32768]   (parts: route, moe, qsa, hc, gemv)
 
 MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
 tokens, the ``grouped`` arm is the layer's MoE after the router GEMM as it ran before the GEMV kernels
@@ -16,8 +16,6 @@ path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, maske
 ``qsa_select``; and one 32K-token prompt's rows (``--prefill``).
 
 Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
-``--parts router``: a decode step's router projection and route, ``gemv_triton`` then ``route_triton`` (two
-launches) against ``router_triton`` (one) at each launch shape, for 1 and 2 rows.
 
 Hyper-connection residual and mix (``--parts hc``; hc 4 x hidden 2048, low rank 320): for T rows, the
 ``cublas`` arm is the residual and mix as larger batches run them (the residual-norm kernel, the ``[down;
@@ -45,7 +43,7 @@ from tidal.kernels import hyper_connection as hc_k
 from tidal.kernels import moe as moe_k
 from tidal.kernels.gemv_triton import gemv_triton
 from tidal.kernels.hyper_connection_triton import hc_mix_tail_triton, hc_norm_down_triton
-from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton, router_triton
+from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
 from tidal.kernels.qsa_triton import qsa_select
@@ -139,30 +137,6 @@ def bench_route(results):
         warps = {w: graph_us(functools.partial(route_triton, logits, K, True, w), replays=50) for w in (1, 2, 4)}
         print(f"{t:>8} {ref:>9.1f} {warps[1]:>8.1f} {warps[2]:>8.1f} {warps[4]:>8.1f}")
         results["route"].append({"tokens": t, "torch_us": ref, "kernel_us_by_warps": warps})
-
-
-def bench_router(bw, results):
-    g = torch.Generator(device="cuda").manual_seed(5)
-    gates = [((torch.randn(E, H, generator=g, device="cuda") / H ** 0.5).to(torch.bfloat16),)
-             for _ in range(copies_beyond_l2(E * H * 2))]
-    floor_us = E * H * 2 / bw * 1e6
-
-    def two(x, gate):
-        return route_triton(gemv_triton(x, gate), K, True)
-
-    def one(x, tile, warps, gate):
-        return router_triton(x, gate, K, True, tile=tile, num_warps=warps)
-
-    for t in (1, 2):
-        x = torch.randn(t, H, generator=g, device="cuda").to(torch.bfloat16)
-        arms = {f"tile{tile}/w{w}": rotated_us(functools.partial(one, x, tile, w), gates)
-                for tile in (2048, 4096, 8192) for w in (2, 4, 8)}
-        best = min(arms, key=arms.get)
-        row = {"tokens": t, "floor_us": floor_us, "gemv_route_us": rotated_us(functools.partial(two, x), gates),
-               "router_us": arms, "best": best}
-        print(f"router T={t}: gemv + route {row['gemv_route_us']:6.2f} us, one launch {arms[best]:6.2f} us ({best}),"
-              f" floor {floor_us:5.2f} us; " + " ".join(f"{k} {v:.2f}" for k, v in arms.items()), flush=True)
-        results["router"].append(row)
 
 
 def torch_select(index_q, keys_flat, key_rows, positions, ratio, width):
@@ -309,12 +283,10 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "router": [], "hc": [], "gemv": []}
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "hc": [], "gemv": []}
     parts = args.parts.split(",")
     if "route" in parts:
         bench_route(results)
-    if "router" in parts:
-        bench_router(bw, results)
     if "hc" in parts:
         bench_hc(tokens, bw, results)
     if "gemv" in parts:

@@ -1,4 +1,4 @@
-"""The router kernels and the small-batch MoE GEMV kernels against plain torch.
+"""The router kernel and the small-batch MoE GEMV kernels against plain torch.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, fp32, small shapes);
 the ``gpu``-marked tests run them compiled at the bench shapes (512 experts, top-10, hidden 2048,
@@ -19,9 +19,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from tidal.kernels.arrival import counters  # noqa: E402
 from tidal.kernels.moe import fused_experts_ref, route_ref  # noqa: E402
-from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton, router_triton  # noqa: E402
+from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -88,44 +87,14 @@ def test_moe_gemv_equals_the_loop(tokens, with_shared):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_moe_gemv_sums_every_column_block_and_rearms_its_counters():
-    """Several down column blocks per token (the last partly masked), each summed by whichever program
-    arrives last: a second call gives the same bytes, which it would not if a counter were left armed."""
-    hidden = 600
-    x, ids, w, gu, d, shared, _ = _case(3, 6, 2, hidden, 16, 16, DEV, torch.float32, seed=5)
-    ref = moe_ref(x, ids, w, gu, d, shared)
-    first = moe_gemv(x, ids, w, gu, d, shared)
-    torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(moe_gemv(x, ids, w, gu, d, shared), first)
-    assert not counters(x.device, "moe_down", 1).any()
+def test_moe_gemv_hidden_wider_than_a_combine_program():
+    """Several combine programs per token, the last one partly masked."""
+    from tidal.kernels.moe_decode_triton import COMBINE_BLOCK
 
-
-@pytest.mark.parametrize("rows,experts,top_k,hidden,renorm", [(1, 8, 2, 40, True), (2, 60, 5, 72, False),
-                                                               (2, 512, 10, 64, True)])
-def test_router_kernel_equals_projection_then_route(rows, experts, top_k, hidden, renorm):
-    g = torch.Generator().manual_seed(rows * experts + hidden)
-    x = torch.randn(rows, hidden, generator=g).to(DEV)
-    gate = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(DEV)
-    ref_w, ref_ids = route_ref(x @ gate.T, top_k, renorm)
-    for tile, warps in ((4096, 8), (256, 2)):  # one program over every expert, and several
-        weights, ids = router_triton(x, gate, top_k, renorm, tile=tile, num_warps=warps)
-        assert ids.dtype == torch.int64 and weights.dtype == x.dtype and ids.shape == (rows, top_k)
-        assert torch.equal(ids, ref_ids)  # fp32 random logits: no ties
-        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
-    assert not counters(x.device, "router", 1).any()
-
-
-def test_router_kernel_breaks_ties_toward_the_lower_expert_and_checks_its_shapes():
-    gate = torch.zeros(8, 4)
-    gate[[2, 5, 6], 0] = 1.0  # x = e_0: logits 1 at experts 2, 5, 6
-    weights, ids = router_triton(torch.eye(1, 4).to(DEV), gate.to(DEV), 2, False, tile=8, num_warps=1)
-    assert ids.tolist() == [[2, 5]] and torch.equal(weights[0, 0], weights[0, 1])
-    with pytest.raises(ValueError, match="top_k"):
-        router_triton(torch.zeros(1, 4, device=DEV), gate.to(DEV), 9, True)
-    with pytest.raises(ValueError, match="do not multiply"):
-        router_triton(torch.zeros(1, 5, device=DEV), gate.to(DEV), 2, True)
-    with pytest.raises(ValueError, match="at most 8 rows"):
-        router_triton(torch.zeros(9, 4, device=DEV), gate.to(DEV), 2, True)
+    hidden = COMBINE_BLOCK + 88
+    x, ids, w, gu, d, shared, _ = _case(2, 6, 2, hidden, 16, 16, DEV, torch.float32, seed=5)
+    torch.testing.assert_close(moe_gemv(x, ids, w, gu, d, shared), moe_ref(x, ids, w, gu, d, shared),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_moe_gemv_shared_expert_wider_than_the_routed_ones():
@@ -160,26 +129,3 @@ def test_route_kernel_bf16_ties_gpu():
     assert torch.equal(ids[~tied], ref_ids[~tied])
     torch.testing.assert_close(weights, ref_w, rtol=8e-3, atol=0)  # one bf16 rounding apart at most
     assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all())  # distinct experts
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2])
-def test_router_kernel_bf16_equals_gemv_then_route_gpu(rows):
-    """At the bench shapes in bf16 the one launch gives the bytes of the two it replaces: the GEMV's
-    logits (the same dot products, rounded alike), then the route kernel."""
-    from tidal.kernels.gemv_triton import gemv_triton
-
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 2048, generator=g).to("cuda", torch.bfloat16)
-    gate = (torch.randn(512, 2048, generator=g) / 2048 ** 0.5).to("cuda", torch.bfloat16)
-    for _ in range(3):  # the counter is re-armed between launches
-        weights, ids = router_triton(x, gate, 10, True)
-        ref_w, ref_ids = route_triton(gemv_triton(x, gate), 10, True)
-        assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
-
-
-@pytest.mark.gpu
-def test_the_model_takes_the_router_and_moe_kernels_gpu(same_ids_as_torch_ops):
-    """The tiny model's greedy ids with the router kernel and the MoE GEMV kernels equal those with the
-    router GEMV, the route kernel and the grouped experts of the torch path."""
-    same_ids_as_torch_ops("router,moe_gemv")

@@ -8,7 +8,8 @@ from torch import nn
 
 from ...config import ModelConfig
 from ...kernels.backend import use_triton
-from ...kernels.moe import add_shared, fused_experts, gemv_applies, router
+from ...kernels.gemv import linear
+from ...kernels.moe import add_shared, fused_experts, gemv_applies, route
 from ..distributed import split
 from .linear import Linear, StackedWeight
 
@@ -77,7 +78,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """``decode``: every row decodes a generated token (small such batches take the GEMV kernels)."""
-        weights, ids = router(x, self.gate.weight, self.top_k, self.renormalize)
+        weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
         if decode and experts.store is None and gemv_applies(x, experts.gate_up_proj):
             # Small decode batches: routed and shared experts, gate and sum in three GEMV-shaped launches.
