@@ -5,8 +5,7 @@ With streams ``H [T, hc * hidden]`` and ``normed = rms_norm(H, w, eps, group_siz
 element-wise stages, which are the ones here (on a GPU, the residual and mix of at most
 :data:`MIX_GEMV_ROWS` rows run as two launches instead: the residual, norm and ``down | inject`` GEMV
 in one, ``hyper_connection_triton.hc_norm_down_triton``, then the gate, ``up`` and block input in one,
-``hyper_connection_triton.hc_mix_tail_triton``; up to :data:`MIX_TC_ROWS` rows the gate, ``up`` and block
-input are one tensor-core launch, :func:`hc_mix_tail`):
+``hyper_connection_triton.hc_mix_tail_triton``):
 
 * :func:`hc_gate_act`: ``silu(down_out / hc)``, the low-rank activation between the two GEMMs;
 * :func:`hc_block_input`: ``mean_s(sigmoid(up_out_s) * normed_s)`` -> the block input ``[T, hidden]``;
@@ -24,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
-from .gemv import MAX_K
 from .norm import rms_norm_ref
 
 # Rows up to which a CUDA ``GatedResidual.residual_mix`` runs as two weight-streaming Triton launches
@@ -32,10 +30,6 @@ from .norm import rms_norm_ref
 # cuBLAS GEMMs around the gate and block-input kernels; measured (with a plain GEMV for the first
 # launch) with ``scripts/bench_decode_kernels.py --parts hc``.
 MIX_GEMV_ROWS = 4
-# Rows up to which a CUDA mix's tail (the gate activation, the ``up`` projection and the block input) is one
-# tensor-core launch (``hyper_connection_triton.hc_mix_tail_tc_triton``) instead of the gate kernel, the ``up``
-# GEMM and the block-input kernel: a decode batch's rows, one product tile.
-MIX_TC_ROWS = 64
 
 
 def hc_gate_act_ref(down_out: torch.Tensor, hc: int) -> torch.Tensor:
@@ -87,14 +81,3 @@ def hc_residual_norm(streams: torch.Tensor, block_out: torch.Tensor, inject_logi
 
         return hc_residual_norm_triton(streams, block_out, inject_logits, hc, norm_weight, eps)
     return hc_residual_norm_ref(streams, block_out, inject_logits, hc, norm_weight, eps)
-
-
-def hc_mix_tail(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int) -> torch.Tensor:
-    """A mix's tail, ``hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)``; for CUDA
-    tensors of one dtype and at most :data:`MIX_TC_ROWS` rows, one Triton launch."""
-    if (use_triton(normed, "hc") and normed.dim() == 2 and 0 < normed.shape[0] <= MIX_TC_ROWS
-            and down_out.dtype == up_weight.dtype == normed.dtype and down_out.shape[-1] <= MAX_K):
-        from .hyper_connection_triton import hc_mix_tail_tc_triton
-
-        return hc_mix_tail_tc_triton(down_out, up_weight, normed, hc)
-    return hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)

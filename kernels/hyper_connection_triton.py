@@ -17,9 +17,7 @@ does the residual, the norm and the ``[down; inject]`` projection in one launch 
 its weight rows and normalises the few rows itself, program 0 storing the new streams and their
 normalised copy), and ``_hc_mix_tail_kernel`` the gate activation, the ``up`` projection and the gated
 mean in one (one program per block of block-input features, reading their ``up`` rows of every stream
-once); both launched with PDL (``kernels/pdl``), their weights loading before the wait. For more rows (a
-decode batch) ``_hc_mix_tail_tc_kernel`` does that tail with the ``up`` projection on tensor cores, after the
-residual-norm kernel and the cuBLAS ``[down; inject]`` GEMM. Every rounding of the
+once); both launched with PDL (``kernels/pdl``), their weights loading before the wait. Every rounding of the
 reference's torch ops (to the tensors' dtype) is copied so that bf16 agrees with it to about an ulp.
 """
 
@@ -333,83 +331,5 @@ def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: 
         d2, w2, n2, out, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
         ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), HC=hc, HC_PAD=triton.next_power_of_2(hc), BLOCK_H=block_h,
         BLOCK_R=triton.next_power_of_2(max(lowrank, 1)), num_warps=num_warps,
-        **pdl.launch_args(normed))
-    return out
-
-
-@triton.jit
-def _hc_mix_tail_tc_kernel(d_ptr, w_ptr, n_ptr, out_ptr, rows, hidden, lowrank, stride_d, stride_w, stride_n,
-                           stride_o, HC: tl.constexpr, HC_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
-    """``BLOCK_H`` block-input features of ``BLOCK_M`` rows: the gate activation of the rows' ``down``
-    outputs, one tensor-core product with the ``HC`` streams' ``up`` weight rows of those features, and the
-    gated mean."""
-    pdl_launch_next(PDL)
-    # The HC_PAD * BLOCK_H weight rows of this program's features, stream-major: i = s * BLOCK_H + j.
-    i = tl.arange(0, HC_PAD * BLOCK_H)
-    s = i // BLOCK_H
-    h = tl.program_id(0) * BLOCK_H + i % BLOCK_H
-    feat = s * hidden + h
-    fmask = (s < HC) & (h < hidden)
-    r = tl.arange(0, BLOCK_R)
-    rmask = r < lowrank
-    w = tl.load(w_ptr + feat.to(tl.int64)[:, None] * stride_w + r[None, :],
-                mask=fmask[:, None] & rmask[None, :], other=0.0)
-    pdl_wait(PDL)  # the weights are loading; the rest is the previous kernels' output
-    dt = out_ptr.dtype.element_ty
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mmask = m < rows
-    m64 = m.to(tl.int64)[:, None]
-    # silu(down / hc), rounded after the division and the activation like the reference.
-    a = tl.load(d_ptr + m64 * stride_d + r[None, :], mask=mmask[:, None] & rmask[None, :], other=0.0)
-    a = (a.to(tl.float32) / HC).to(dt).to(tl.float32)
-    a = (a / (1.0 + tl.exp(-a))).to(dt)
-    up = tl.dot(a, tl.trans(w.to(dt)), input_precision=DOT_PREC).to(dt).to(tl.float32)
-    gate = tl.sigmoid(up).to(dt).to(tl.float32)
-    n = tl.load(n_ptr + m64 * stride_n + feat[None, :], mask=mmask[:, None] & fmask[None, :], other=0.0)
-    prod = tl.reshape((gate * n.to(tl.float32)).to(dt).to(tl.float32), [BLOCK_M, HC_PAD, BLOCK_H])
-    # The streams' products summed in stream order, as the reference adds them.
-    streams = tl.arange(0, HC_PAD)[None, :, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-    for st in tl.static_range(HC):
-        acc += tl.sum(tl.where(streams == st, prod, 0.0), axis=1)
-    hh = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    tl.store(out_ptr + m64 * stride_o + hh[None, :], (acc / HC).to(dt), mask=mmask[:, None] & (hh < hidden)[None, :])
-
-
-# (block_h, num_warps) of hc_mix_tail_tc_triton: block-input features a program takes, and its warps.
-MIX_TAIL_TC_CONFIG = (16, 4)
-# Rows a program of hc_mix_tail_tc_triton takes at most (the product's M tile).
-MIX_TAIL_TC_BLOCK_M = 64
-
-
-def hc_mix_tail_tc_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                          block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """:func:`hc_mix_tail_triton` for more rows, the ``up`` projection on tensor cores: a program takes
-    ``block_h`` features of the block input for up to :data:`MIX_TAIL_TC_BLOCK_M` rows, reading their ``hc``
-    rows of ``up_weight`` once (``block_h`` and ``num_warps`` override :data:`MIX_TAIL_TC_CONFIG`). The low rank
-    is one product tile: at most :data:`tidal.kernels.gemv.MAX_K`."""
-    block_h, num_warps = block_h or MIX_TAIL_TC_CONFIG[0], num_warps or MIX_TAIL_TC_CONFIG[1]
-    rows, width = normed.shape
-    hidden = width // hc
-    lowrank = down_out.shape[1]
-    if hidden * hc != width or down_out.shape[0] != rows or up_weight.shape != (width, lowrank):
-        raise ValueError(f"down_out {tuple(down_out.shape)}, up_weight {tuple(up_weight.shape)} and normed "
-                         f"{tuple(normed.shape)} do not fit hc={hc}")
-    if not down_out.dtype == up_weight.dtype == normed.dtype:
-        raise ValueError("down_out, up_weight and normed must share a dtype")
-    if lowrank > MAX_K:
-        raise ValueError(f"hc_mix_tail_tc_triton takes a low rank of at most {MAX_K}, got {lowrank}")
-    out = torch.empty(rows, hidden, dtype=normed.dtype, device=normed.device)
-    if rows == 0:
-        return out
-    d2, w2, n2 = _rows(down_out, lowrank), _rows(up_weight, lowrank), _rows(normed, width)
-    hc_pad = triton.next_power_of_2(hc)
-    block_h = max(block_h, triton.cdiv(16, hc_pad))  # the product's N tile is at least 16
-    block_m = min(MIX_TAIL_TC_BLOCK_M, max(16, triton.next_power_of_2(rows)))
-    _hc_mix_tail_tc_kernel[(triton.cdiv(hidden, block_h), triton.cdiv(rows, block_m))](
-        d2, w2, n2, out, rows, hidden, lowrank, d2.stride(0), w2.stride(0), n2.stride(0), out.stride(0),
-        HC=hc, HC_PAD=hc_pad, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(lowrank)),
-        DOT_PREC="ieee" if normed.dtype == torch.float32 else "tf32", num_warps=num_warps,
         **pdl.launch_args(normed))
     return out

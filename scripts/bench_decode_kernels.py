@@ -21,8 +21,7 @@ Hyper-connection residual and mix (``--parts hc``; hc 4 x hidden 2048, low rank 
 ``cublas`` arm is the residual and mix as larger batches run them (the residual-norm kernel, the ``[down;
 inject]`` GEMM, the gate kernel, the ``up`` GEMM, the block-input kernel) and the kernel arms are
 ``hc_norm_down_triton`` then ``hc_mix_tail_triton`` at each launch shape; each of the two alone is timed
-for every shape too. Up to ``MIX_TC_ROWS`` rows, the ``cublas`` arm with its last three launches replaced by
-``hc_mix_tail_tc_triton`` at each launch shape. Dense GEMV (``--parts gemv``): the
+for every shape too. Dense GEMV (``--parts gemv``): the
 decode step's other projections (router, out projection, the input stacks) through ``F.linear`` and through
 ``gemv_triton``. Weights rotate over enough copies to exceed the L2 cache (a step reads each once, from HBM).
 
@@ -43,7 +42,7 @@ from bench_forward import device_ms, measure_bandwidth  # this script's folder i
 from tidal.kernels import hyper_connection as hc_k
 from tidal.kernels import moe as moe_k
 from tidal.kernels.gemv_triton import gemv_triton
-from tidal.kernels.hyper_connection_triton import hc_mix_tail_tc_triton, hc_mix_tail_triton, hc_norm_down_triton
+from tidal.kernels.hyper_connection_triton import hc_mix_tail_triton, hc_norm_down_triton
 from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
@@ -219,11 +218,6 @@ def bench_hc(tokens_list, bw, results):
                                            num_warps=warps)
         return hc_mix_tail_triton(y[:, :LOWRANK], up, normed, HC, block_h=block_h, num_warps=tail_warps), y
 
-    def tc(streams, pending, block_h, warps, stack, up):
-        _, normed = hc_k.hc_residual_norm(streams, *pending, HC, norm_w, 1e-6)
-        down, logits = F.linear(normed, stack)[:, :LOWRANK + HC].split([LOWRANK, HC], dim=-1)
-        return hc_mix_tail_tc_triton(down, up, normed, HC, block_h=block_h, num_warps=warps), logits
-
     for t in tokens_list:
         streams = torch.randn(t, width, generator=g, device="cuda").to(dt)
         pending = (torch.randn(t, H, generator=g, device="cuda").to(dt), torch.randn(t, HC, generator=g,
@@ -231,14 +225,6 @@ def bench_hc(tokens_list, bw, results):
         row = {"tokens": t, "floor_us": floor_us,
                "cublas_us": rotated_us(functools.partial(cublas, streams, pending), weights)}
         line = f"HC T={t:>3} residual norm + cublas {row['cublas_us']:6.2f} us"
-        if t <= hc_k.MIX_TC_ROWS:
-            arms = {(bh, w): rotated_us(functools.partial(tc, streams, pending, bh, w), weights)
-                    for bh in (4, 8, 16, 32) for w in (4, 8)}
-            bh, w = min(arms, key=arms.get)
-            row["tc_tail_us"] = {f"bh{k[0]}/w{k[1]}": v for k, v in arms.items()}
-            got, want = tc(streams, pending, bh, w, *weights[0])[0], cublas(streams, pending, *weights[0])[0]
-            row["tc_max_abs_diff"] = float((got.float() - want.float()).abs().max())
-            line += f"  + tensor-core tail {arms[(bh, w)]:6.2f} us (bh{bh}/w{w})"
         if t <= 8:
             normed = torch.randn(t, width, generator=g, device="cuda").to(dt)
             down = torch.randn(t, stack_rows, generator=g, device="cuda").to(dt)[:, :LOWRANK]

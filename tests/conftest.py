@@ -55,13 +55,12 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 def same_ids_as_torch_ops(tiny_checkpoint, monkeypatch):
     """``check(ops)``: the tiny model's greedy ids in fp32 on the GPU, decode steps replayed from CUDA graphs,
     equal those of the same model with the operations ``ops`` sent to their torch references
-    (``TIDAL_KERNELS=torch:OPS``, which also decodes without graphs); ``lengths``: the prompts' lengths, one
-    request each."""
+    (``TIDAL_KERNELS=torch:OPS``, which also decodes without graphs)."""
     from tidal import LLM
 
-    def check(ops: str, lengths: tuple[int, ...] = (37, 1, 100)) -> None:
+    def check(ops: str) -> None:
         gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 248000, (n,), generator=gen).tolist() for n in lengths]
+        prompts = [torch.randint(0, 248000, (n,), generator=gen).tolist() for n in (37, 1, 100)]
         kwargs = dict(max_tokens=40, ignore_eos=True)
         monkeypatch.setenv("TIDAL_KERNELS", f"torch:{ops}")
         want = LLM(tiny_checkpoint, device="cuda", dtype="float32", max_prefill_length=64).generate(prompts, **kwargs)

@@ -8,7 +8,7 @@ from torch import nn
 
 from ...kernels.backend import next_pow2, use_triton
 from ...kernels.gemv import MAX_K
-from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_mix_tail, hc_residual_norm
+from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
 
@@ -82,7 +82,8 @@ class GatedResidual(nn.Module):
         else:
             down = self.input_mix_weight_down(normed)
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
-        return hc_mix_tail(down, self.input_mix_weight_up.weight, normed, hc), logits
+        up = self.input_mix_weight_up(hc_gate_act(down, hc))
+        return hc_block_input(normed, up, hc), logits
 
     def residual_mix(self, streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None,
                      owned_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
