@@ -18,10 +18,9 @@ count to a power of two, so that every tensor shape is fixed:
 * padding rows use a slot and a KV page that the scheduler never hands out (the pools hold one of
   each beyond its count), so they write nothing that a request reads.
 
-On the GPU the per-row tensors, and the rows' embeddings in the residual streams, come from one kernel
-(``kernels/decode_prep_triton``) instead of the torch ops that spell them out. The graph ends with the
-logits of every row in the model's dtype, written by the vocabulary projection into one buffer all graphs
-share, and each row's arg-max of them
+On the GPU the per-row tensors come from one kernel (``kernels/decode_prep_triton``) instead of the
+torch ops that spell them out. The graph ends with the logits of every row in the model's dtype, written
+by the vocabulary projection into one buffer all graphs share, and each row's arg-max of them
 (:attr:`greedy`, also left in the slot's :attr:`last_ids`; ``kernels/greedy_triton`` on the GPU): a batch
 that samples plainly greedily takes those ids. Other sampling (on the logits in fp32) and the
 end-of-segment checkpoint copies run after the replay as for an eager forward. Graphs are captured when
@@ -241,11 +240,9 @@ class DecodeGraphs:
         """``_forward_batch``'s tensors from one kernel (``kernels/decode_prep_triton``)."""
         from ..kernels.decode_prep_triton import decode_prep
 
-        model = self.model.model
         p = decode_prep(self.inputs[:, :b], self.last_ids, self.slot_pages, self.page_size, self.states.ngram_context,
                         self.ngram_eos, self.rotary.inv_freq(self.device) if self.rotary else None,
-                        model.embed_tokens.weight.dtype, self.ratio, blocks, model.embed_tokens.weight,
-                        model.config.hc_count)
+                        self.model.model.embed_tokens.weight.dtype, self.ratio, blocks)
         qsa = None
         if self.ratio:
             qsa = QSABlocks(ratio=self.ratio, new_rows=p["new_rows"], new_pos=p["new_pos"], key_rows=p["key_rows"],
@@ -254,7 +251,6 @@ class DecodeGraphs:
                             p["kv_rows"], p["kv_lens"], p["ngram_context"], qsa)
         if self.rotary:
             fb.rope = (p["cos"], p["sin"])
-        fb.embedded = p["streams"]
         return fb
 
     def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, kv_lens, ngram_context,

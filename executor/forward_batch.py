@@ -144,9 +144,6 @@ class ForwardBatch:
     # Rotary cos and sin of ``positions`` in the model's dtype, set by the model's forward for all its
     # attention layers (a layer run on its own computes them).
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
-    # The rows' embeddings already repeated into the residual streams (``Qwen4ExpModel.embed``), when a decode
-    # graph's prologue wrote them; otherwise the model's forward embeds ``input_ids``.
-    embedded: torch.Tensor | None = None
     # Every row is a decode of a generated token (no prompt row, however short its chunk): such a forward
     # may run the MoE's decode kernels, which round differently from the path every prompt row takes.
     decode_only: bool = False

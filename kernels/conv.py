@@ -209,8 +209,7 @@ def conv_windows(x: torch.Tensor, states: torch.Tensor, cu_seqlens: torch.Tensor
 
 
 def causal_conv1d_update_ref(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
-                             fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
-                             plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                             fresh: torch.Tensor, dilation: int = 1, silu: bool = True) -> torch.Tensor:
     """Torch reference of :func:`causal_conv1d_update`: the prefill reference's taps over ``[B, W + 1, C]``,
     so a decode step is bit-identical in fp32 to a one-row segment of :func:`causal_conv1d_varlen_ref`.
     """
@@ -220,26 +219,21 @@ def causal_conv1d_update_ref(x: torch.Tensor, states: torch.Tensor, weight: torc
     if silu:
         out = F.silu(out)
     states.index_copy_(0, slots.long(), full[:, 1:].to(states.dtype))
-    if plus is not None:
-        return plus[0] + (plus[1] + out.to(x.dtype))
     return out.to(x.dtype)
 
 
 def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
-                         fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
-                         plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         fresh: torch.Tensor, dilation: int = 1, silu: bool = True) -> torch.Tensor:
     """One new row per request (decode): conv output ``[B, C]`` and the slot windows shifted in place.
 
     Args:
         x: ``[B, C]`` one row per request; states ``[S, W, C]``; weight ``[C, k]``.
         slots: int ``[B]`` distinct slots; fresh: bool ``[B]`` (window read as zeros).
-        plus: ``(base, inner)``, both ``[B, C]`` in x's dtype: return ``base + (inner + out)`` instead, the
-            two adds rounded as torch's are (on the GPU in the same launch).
     Afterwards ``states[slots[b]]`` holds the last ``W`` inputs including ``x[b]``; other slots are
     untouched. Output in ``x``'s dtype, arithmetic in fp32.
     """
     if use_triton(x, "conv"):
         from . import conv_triton
 
-        return conv_triton.causal_conv1d_update(x, states, weight, slots, fresh, dilation, silu, plus)
-    return causal_conv1d_update_ref(x, states, weight, slots, fresh, dilation, silu, plus)
+        return conv_triton.causal_conv1d_update(x, states, weight, slots, fresh, dilation, silu)
+    return causal_conv1d_update_ref(x, states, weight, slots, fresh, dilation, silu)

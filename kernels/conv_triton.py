@@ -77,11 +77,11 @@ def _conv_varlen_kernel(
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, states_ptr, w_ptr, out_ptr, slots_ptr, fresh_ptr, base_ptr, inner_ptr,
+    x_ptr, states_ptr, w_ptr, out_ptr, slots_ptr, fresh_ptr,
     channels,
-    sx_b, sx_c, ss_n, ss_w, ss_c, sw_c, sw_k, so_b, so_c, sb_b, si_b,
+    sx_b, sx_c, ss_n, ss_w, ss_c, sw_c, sw_k, so_b, so_c,
     K: tl.constexpr, D: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-    PLUS: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -105,14 +105,7 @@ def _conv_update_kernel(
             tl.store(base + (r - 1) * ss_w, row, mask=cmask)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    dt = out_ptr.dtype.element_ty
-    res = acc.to(dt)
-    if PLUS:  # base + (inner + out), each sum rounded as torch's adds round it
-        inner = tl.load(inner_ptr + b.to(tl.int64) * si_b + cols, mask=cmask, other=0.0).to(tl.float32)
-        res = (inner + res.to(tl.float32)).to(dt)
-        base = tl.load(base_ptr + b.to(tl.int64) * sb_b + cols, mask=cmask, other=0.0).to(tl.float32)
-        res = (base + res.to(tl.float32)).to(dt)
-    tl.store(out_ptr + b.to(tl.int64) * so_b + cols * so_c, res, mask=cmask)
+    tl.store(out_ptr + b.to(tl.int64) * so_b + cols * so_c, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def _as_bytes(flags: torch.Tensor) -> torch.Tensor:
@@ -168,8 +161,7 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
 
 
 def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
-                         fresh: torch.Tensor, dilation: int = 1, silu: bool = True,
-                         plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         fresh: torch.Tensor, dilation: int = 1, silu: bool = True) -> torch.Tensor:
     """Triton form of :func:`tidal.kernels.conv.causal_conv1d_update`: one launch, grid
     ``(B, cdiv(C, BLOCK_C))``; the windows of ``states[slots]`` shift in place (slots must be distinct).
     """
@@ -180,18 +172,13 @@ def causal_conv1d_update(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
     out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
     if batch == 0 or channels == 0:
         return out
-    base = inner = out
-    if plus is not None:
-        base, inner = (t if t.stride(-1) == 1 else t.contiguous() for t in plus)
-        assert base.shape == inner.shape == out.shape and base.dtype == inner.dtype == x.dtype
     block_c = min(256, triton.next_power_of_2(channels))
     grid = (batch, triton.cdiv(channels, block_c))
     _conv_update_kernel[grid](
-        x, states, weight, out, slots, _as_bytes(fresh), base, inner,
+        x, states, weight, out, slots, _as_bytes(fresh),
         channels,
         x.stride(0), x.stride(1), states.stride(0), states.stride(1), states.stride(2),
-        weight.stride(0), weight.stride(1), out.stride(0), out.stride(1), base.stride(0), inner.stride(0),
-        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, PLUS=plus is not None, num_warps=4,
-        **pdl.launch_args(x),
+        weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        K=kernel_size, D=dilation, W=width, SILU=silu, BLOCK_C=block_c, num_warps=4, **pdl.launch_args(x),
     )
     return out

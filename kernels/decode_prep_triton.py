@@ -12,8 +12,7 @@ computes the same values:
   context moved on by the token (the forward reads only the former);
 * rotary cos and sin of the position, rounded to the model's dtype (``Rotary.cos_sin``);
 * for QSA: the KV rows of the block that ends at the token, its first position, and the KV row of every
-  block's pooled key;
-* the token's embedding, repeated into the residual streams the first layer reads.
+  block's pooled key.
 
 Padding rows share one slot; they are fresh with token 0, so whatever order their programs run in
 they write the same values.
@@ -35,10 +34,8 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
                         ctx_state_ptr, stride_cs, ctx_ptr, stride_c, width, eos,
                         inv_freq_ptr, cos_ptr, sin_ptr, stride_r, rot,
                         new_rows_ptr, stride_nr, new_pos_ptr, key_rows_ptr, stride_kr, blocks, ratio,
-                        embed_ptr, stride_e, vocab, streams_ptr, hidden,
                         BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROT: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr, HC: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     t = tl.program_id(0)
     token = tl.load(inputs_ptr + t)
@@ -86,29 +83,16 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
             last = (b + 1) * ratio - 1
             key_page = tl.load(pages + tl.minimum(last // page_size, max_pages - 1), mask=bmask, other=0).to(tl.int64)
             tl.store(key_rows_ptr + t * stride_kr + b, key_page * page_size + last % page_size, mask=bmask)
-    if BLOCK_E > 0:
-        # The token's embedding in each of the HC streams (zeros for an id outside the table).
-        e = tl.arange(0, BLOCK_E)
-        known = (token >= 0) & (token < vocab)
-        row = embed_ptr + tl.where(known, token, 0).to(tl.int64) * stride_e
-        out = streams_ptr + t.to(tl.int64) * HC * hidden
-        for c0 in range(0, hidden, BLOCK_E):
-            emask = c0 + e < hidden
-            v = tl.load(row + c0 + e, mask=emask & known, other=0.0)
-            for s in tl.static_range(HC):
-                tl.store(out + s * hidden + c0 + e, v, mask=emask)
 
 
 def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.Tensor, page_size: int,
                 ngram_state: torch.Tensor, eos: int, inv_freq: torch.Tensor | None, dtype: torch.dtype,
-                ratio: int, blocks: int, embed: torch.Tensor | None = None, hc: int = 0) -> dict[str, torch.Tensor]:
+                ratio: int, blocks: int) -> dict[str, torch.Tensor]:
     """The per-row tensors of a decode step of ``inputs [4, b]`` rows (token id, position, slot, fresh):
     ``ids``, ``fresh``, ``kv_lens`` (int32), ``page_table`` (int32 ``[b, max_pages]``), ``kv_rows``,
     ``ngram_context`` (``[b, width]``; the slots' contexts in ``ngram_state`` move on by the rows'
-    tokens), ``cos``/``sin`` (``[b, rotary_dim]`` in ``dtype``; none without ``inv_freq``), with a
-    QSA ``ratio`` ``new_rows [b, ratio]``, ``new_pos`` and ``key_rows [b, blocks]``, and with an ``embed``
-    table ``[vocab, hidden]`` the rows' embeddings repeated into ``hc`` streams, ``streams [b, hc * hidden]``
-    (``Qwen4ExpModel.embed``)."""
+    tokens), ``cos``/``sin`` (``[b, rotary_dim]`` in ``dtype``; none without ``inv_freq``) and, with a
+    QSA ``ratio``, ``new_rows [b, ratio]``, ``new_pos`` and ``key_rows [b, blocks]``."""
     b = inputs.shape[1]
     dev = inputs.device
     assert inputs.dtype == torch.long and inputs.stride(1) == 1 and slot_pages.dtype == torch.int32
@@ -128,12 +112,6 @@ def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.
         new_rows, new_pos = torch.empty(b, ratio, **long), torch.empty(b, **long)
         key_rows = torch.empty(b, blocks, **long)
         out.update(new_rows=new_rows, new_pos=new_pos, key_rows=key_rows)
-    streams, vocab, hidden = cos, 0, 0
-    if embed is not None:
-        assert embed.stride(1) == 1 and hc > 0
-        vocab, hidden = embed.shape
-        streams = torch.empty(b, hc * hidden, dtype=embed.dtype, device=dev)
-        out.update(streams=streams)
     if b:
         pow2 = triton.next_power_of_2
         _decode_prep_kernel[(b,)](
@@ -142,9 +120,7 @@ def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.
             ngram_state, ngram_state.stride(0), out["ngram_context"], max(1, width), width, eos,
             inv_freq if rot else cos, cos, sin, max(1, rot), rot,
             new_rows, max(1, ratio), new_pos, key_rows, max(1, blocks), blocks, ratio,
-            embed if embed is not None else cos, 1 if embed is None else embed.stride(0), vocab, streams, hidden,
             BLOCK_P=min(1024, pow2(max_pages)), BLOCK_W=pow2(width) if width else 0, BLOCK_ROT=pow2(rot) if rot else 0,
-            BLOCK_R=pow2(ratio) if ratio else 0, BLOCK_B=min(1024, pow2(max(1, blocks))),
-            BLOCK_E=min(1024, pow2(hidden)) if hidden else 0, HC=max(1, hc), num_warps=4,
+            BLOCK_R=pow2(ratio) if ratio else 0, BLOCK_B=min(1024, pow2(max(1, blocks))), num_warps=4,
             **pdl.launch_args(inputs))
     return out

@@ -14,8 +14,7 @@ Here a layer's MoE after the router GEMM is four launches:
 2. ``_gate_up_kernel``, grid ``(T * (K + S), cdiv(I, BLOCK_N))`` (``S`` = 1 with a shared expert):
    each program takes one (token, expert) assignment (the shared expert is assignment ``K``) and
    ``BLOCK_N`` of its intermediate columns, reads the gate and up rows of that expert against the
-   token's ``x``, and writes ``silu(gate) * up`` in ``x``'s dtype. With the whole reduction in one tile
-   (up to 8 tokens), the shared expert's programs load their weights before the PDL wait, during the route.
+   token's ``x``, and writes ``silu(gate) * up`` in ``x``'s dtype.
 3. ``_down_kernel``, the same grid over ``H``: one assignment's ``down`` rows against its activation,
    an fp32 part per assignment (the shared expert's times ``sigmoid(x . shared_gate)``). One program
    per assignment keeps every expert's read in flight at once: a program that walked a token's ten
@@ -125,24 +124,14 @@ def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EARLY_SHARED: tl.constexpr, PDL: tl.constexpr):
+                    PDL: tl.constexpr):
+    # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
+    pdl_wait(PDL)
+    pdl_launch_next(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
     t = a // per_token
     k = a % per_token
-    n0 = tl.program_id(1) * BLOCK_N
-    ks = tl.arange(0, BLOCK_K)
-    if EARLY_SHARED:
-        # The shared expert's weights do not depend on the router: its programs load their one tile (the
-        # whole reduction) before the wait; the routed programs' loads here are masked off.
-        s_cols = n0 + tl.arange(0, BLOCK_N)
-        s_mask = ((k == TOP_K) & (s_cols < s_inter))[:, None] & (ks < hidden)[None, :]
-        s_rows = sgu_ptr + s_cols.to(tl.int64)[:, None] * hidden + ks[None, :]
-        early_g = tl.load(s_rows, mask=s_mask, other=0.0).to(tl.float32)
-        early_u = tl.load(s_rows + s_inter * hidden, mask=s_mask, other=0.0).to(tl.float32)
-    # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
-    pdl_wait(PDL)
-    pdl_launch_next(PDL)
     if k < TOP_K:
         expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
         w = gu_ptr + expert * sgu_e
@@ -150,25 +139,22 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
     else:
         w = sgu_ptr
         n_out = s_inter
+    n0 = tl.program_id(1) * BLOCK_N
     if n0 >= n_out:  # the routed and the shared intermediate sizes may differ
         return
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < n_out
     g_rows = w + cols.to(tl.int64)[:, None] * hidden  # gate rows; the up rows follow the n_out gate rows
     u_rows = g_rows + n_out * hidden
+    ks = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         kmask = k0 + ks < hidden
         xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
         m = cmask[:, None] & kmask[None, :]
-        if EARLY_SHARED:  # one tile: the shared programs have theirs, the routed ones load now (x + 0 is exact)
-            m = m & (k < TOP_K)
-            g = tl.load(g_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) + early_g
-            u = tl.load(u_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) + early_u
-        else:
-            g = tl.load(g_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
-            u = tl.load(u_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * xv[None, :], 1)
         acc_u += tl.sum(u * xv[None, :], 1)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -279,11 +265,10 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     launch = pdl.launch_args(x)
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
-    block_k = min(cfg_a.block_k, triton.next_power_of_2(hidden))
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n, BLOCK_K=block_k,
-        EARLY_SHARED=shared is not None and block_k >= hidden, num_warps=cfg_a.num_warps, **launch)
+        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
+        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),

@@ -220,26 +220,6 @@ def test_update_kernel_matches_reference(kernel_size, dilation):
     assert torch.equal(pool_ker[others], states[others])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_update_kernel_adds_base_plus_inner(dtype):
-    """``plus=(base, inner)``: ``base + (inner + out)`` with both sums rounded to the dtype as torch's adds
-    are (fp16 in the interpreter: the roundings show), the base a column slice; the windows as without it."""
-    slots, fresh = [2, 7, 4], [False, False, True]
-    x, states, weight, _, slots_t, fresh_t = _conv_case(4, 3, 72, torch.float32, DEV, lengths=[1] * 3,
-                                                        slots=slots, fresh=fresh)
-    x, states = x.to(dtype), states.to(dtype)
-    g = torch.Generator().manual_seed(7)
-    base = (100 * torch.randn(3, 80, generator=g)).to(DEV, dtype)[:, 4:76]
-    inner = torch.randn(3, 72, generator=g).to(DEV, dtype)
-    pool_ref, pool_ker, pool_plain = states.clone(), states.clone(), states.clone()
-    ref = conv_ops.causal_conv1d_update_ref(x, pool_ref, weight, slots_t, fresh_t, 3, plus=(base, inner))
-    plain = conv_ops.causal_conv1d_update_ref(x, pool_plain, weight, slots_t, fresh_t, 3)
-    assert torch.equal(ref, base + (inner + plain))
-    out = conv_triton.causal_conv1d_update(x, pool_ker, weight, slots_t, fresh_t, 3, plus=(base, inner))
-    torch.testing.assert_close(out, ref, atol=0, rtol=0 if dtype == torch.float16 else 1e-6)
-    assert torch.equal(pool_ker, pool_ref)
-
-
 # --------------------------------------------------------------------------------------------------
 # GDN decode
 # --------------------------------------------------------------------------------------------------

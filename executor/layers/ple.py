@@ -91,11 +91,9 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(width, 1, c.ple_conv_kernel_size), requires_grad=False)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, query: torch.Tensor | None = None,
-                base: torch.Tensor | None = None) -> torch.Tensor:
-        """The PLE output ``[T, hc * hidden]`` to add to ``streams``, or ``base`` plus it when given (for a
-        decode step in the conv's launch); ``query`` is ``norm_query(streams)`` when the caller computed it
-        already (with the residual add that produced ``streams``)."""
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, query: torch.Tensor | None = None) -> torch.Tensor:
+        """The PLE output ``[T, hc * hidden]`` to add to ``streams``; ``query`` is ``norm_query(streams)``
+        when the caller computed it already (with the residual add that produced ``streams``)."""
         ahead = batch.ple_rows.get(self.layer_idx)
         emb = (ahead() if ahead is not None else self.ple_embedding(batch)).to(streams.dtype)
         if query is None:
@@ -108,9 +106,6 @@ class PLELayer(nn.Module):
         if batch.prefill.num_rows == 0 and batch.export_seg.numel() == 0:
             # One row per segment and no checkpoint: the decode step's conv, which shifts each window in
             # place (one launch for what the prefill form does in a conv, a gather and a store).
-            if base is not None:
-                return causal_conv1d_update(normed, windows, weight, a.slots, a.fresh, dilation=self.dilation,
-                                            plus=(base, gated))
             return gated + causal_conv1d_update(normed, windows, weight, a.slots, a.fresh, dilation=self.dilation)
         conv = causal_conv1d_varlen(normed, windows, weight, a.cu_seqlens, a.slots, a.fresh,
                                     dilation=self.dilation, max_seqlen=a.max_seqlen, row_segment=batch.row_segment)
@@ -118,4 +113,4 @@ class PLELayer(nn.Module):
         upto = torch.cat([a.lengths, batch.export_off])
         new_windows = conv_windows(normed, windows, a.cu_seqlens, a.slots, a.fresh, seg_index, upto)
         windows[torch.cat([a.slots, batch.export_dst])] = new_windows
-        return gated + conv if base is None else base + (gated + conv)
+        return gated + conv

@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
                 streams = GatedResidual.residual(streams, pending[0], inject)
             if self.ple is not None:
                 if own is None:
-                    streams = self.ple(streams, batch, query, base=streams)
+                    streams = streams + self.ple(streams, batch, query)
                 else:
                     streams = streams + self.ple(group.all_gather(streams), batch)[own]
             pending = None
@@ -123,7 +123,7 @@ class Qwen4ExpModel(nn.Module):
         hyper-connection work (the scheduler only asks when ``T`` divides); the final rows are
         gathered back in token order.
         """
-        streams = self.embed(batch.input_ids) if batch.embedded is None else batch.embedded
+        streams = self.embed(batch.input_ids)
         if self.config.attention_layers and batch.rope is None:  # a decode graph's prologue sets it
             batch.rope = self.rotary.cos_sin(batch.positions, streams.dtype)
         pending = None
