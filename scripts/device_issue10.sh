@@ -11,7 +11,9 @@
 #   bash scripts/device_issue10.sh [tests|kernels|prefill|profile|floor|server|numerics|qsa|moe|conv ...]   (default: tests profile floor)
 set -u
 WITH_FLA=1 source scripts/gpu_env.sh > $OUT/env.log 2>&1 || { cat $OUT/env.log; exit 1; }
-git log -1 --format='%H %s' >> $OUT/env.log 2>/dev/null
+# The device checkout's .git does not follow the working tree it carries: name the tree in the command
+# (TREE=<commit> bash scripts/device_issue10.sh ...), since git log there reads an older commit.
+echo "working tree: ${TREE:-not named}" >> $OUT/env.log
 parts=${*:-tests profile floor}
 for part in $parts; do
   case $part in
