@@ -16,8 +16,8 @@ def _checkpoint(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from .args import args_from_namespace
-    from .launcher import serve
+    from .config.server_args import args_from_namespace
+    from .runtime.serve import serve
 
     return serve(args_from_namespace(ns))
 
@@ -84,21 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write config and tokenizer only (serve with --load-format random)")
     ck.set_defaults(func=_checkpoint)
 
-    from .args import add_server_flags
+    from .config.server_args import add_server_flags
 
     sv = sub.add_parser("serve", help="serve the OpenAI API (the demo model without --model)",
                         formatter_class=DefaultsHelpFormatter)
     add_server_flags(sv)
     sv.set_defaults(func=_serve)
 
-    from .deploy import add_run_flags, run_role
+    from .runtime.run import add_run_flags, run_command
 
     rn = sub.add_parser("run", help="run one process of the mesh (frontend, scheduler, executor, detokenizer): "
                         "one container each under docker compose", formatter_class=DefaultsHelpFormatter)
     add_run_flags(rn)
-    rn.set_defaults(func=run_role)
+    rn.set_defaults(func=run_command)
 
-    from .benchmark import add_bench_flags, run_bench
+    from .bench.cli import add_bench_flags, run_bench
 
     bn = sub.add_parser("bench", help="benchmark any OpenAI-compatible endpoint (the seeds' protocol, "
                         "open-loop arrivals)")

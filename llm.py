@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from .args import ServerArgs
-from .config import ModelConfig
+from .config.model import ModelConfig
+from .config.pools import pool_sizes
+from .config.server_args import ServerArgs
 from .executor.runner import build_runner
 from .messages import Detokenize, GenerateReq, SamplingParams
 from .scheduler import Scheduler
-from .sizing import pool_sizes
 
 
 class GenerationError(RuntimeError):

@@ -26,10 +26,11 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 AbortReason = Literal["abort", "stop", "error"]
 # How a prompt's forwards run: chunk by chunk, or one long forward layer by layer.
 PlanMode = Literal["chunked", "layer_major"]
-# The processes that report ``Ready``: the roles, one per executor rank, and the launcher's
-# ``mesh`` (to the frontend) and the frontend's ``frontend-drained``.
-ROLE_PATTERN = r"^(scheduler|detokenizer|frontend|frontend-drained|mesh|executor-\d+)$"
+# The processes of a mesh: its roles, one executor per tensor-parallel rank.
+ROLE_PATTERN = r"^(scheduler|detokenizer|frontend|executor-\d+)$"
 Role = Annotated[str, msgspec.Meta(pattern=ROLE_PATTERN)]
+# A process as its supervisor sees it: loading, serving, stopping on purpose (a clean exit), or failed.
+MemberState = Literal["starting", "ready", "leaving", "failed"]
 
 
 class SamplingParams(Struct, frozen=True, omit_defaults=True):
@@ -245,15 +246,35 @@ class BatchResult(Struct, tag="BatchResult", omit_defaults=True):
 
 
 # ---- lifecycle --------------------------------------------------------------------------------
-class Ready(Struct, tag="Ready", omit_defaults=True):
+class Ready(Struct, tag="Ready"):
+    """A role to the member of its process: it serves from now on."""
+
     role: Role
-    info: dict[str, Any] = {}
+
+
+class Drained(Struct, tag="Drained"):
+    """The frontend to the member of its process: the drain a ``Shutdown(drain=True)`` asked for is over."""
+
+
+class Heartbeat(Struct, tag="Heartbeat", omit_defaults=True):
+    """A member to the supervisor, every second and at once on a change: process ``instance`` (an id no
+    other process has) of ``role`` is in ``state``; ``error`` says why it failed. Instance ids, not clocks,
+    tell a replaced process from its replacement."""
+
+    role: Role
+    instance: str
+    state: MemberState
+    error: str = ""
+
+
+class MeshReady(Struct, tag="MeshReady"):
+    """The supervisor to the frontend: every process of the mesh is ready (``/health`` turns 200)."""
 
 
 class Shutdown(Struct, tag="Shutdown"):
     """To a role: stop. To the frontend: the mesh is failing (answer every request in flight with
     ``reason`` as an error, 503 meanwhile) or, with ``drain``, shutting down (503 for new requests,
-    let the ones in flight finish within ``timeout`` seconds, then report ``Ready("frontend-drained")``)."""
+    let the ones in flight finish within ``timeout`` seconds, then report ``Drained``)."""
 
     reason: str = ""
     drain: bool = False
@@ -265,10 +286,12 @@ class ExecutorFailed(Struct, tag="ExecutorFailed"):
     error: str
 
 
-SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown | Ready
+SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown
 ExecutorInbound = Batch | Shutdown
 DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | StepOutput | SchedulerStats | Shutdown
-FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | Ready | Shutdown
+FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | MeshReady | Shutdown
+RelayInbound = Ready | Drained | ExecutorFailed  # a role -> the member of its process
+ControlInbound = Heartbeat | ExecutorFailed  # members -> the supervisor
 TapMessage = PromptAdmitted | Detokenize
 
 _encoder = msgspec.msgpack.Encoder()

@@ -1,2 +1,2 @@
-"""The parts of ``tidal bench`` (the command itself is ``tidal.benchmark``): streamed requests and their
+"""The parts of ``tidal bench`` (the command itself is ``tidal.bench.cli``): streamed requests and their
 checks, the tap reader, percentile summaries and the plot."""

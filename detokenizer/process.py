@@ -6,8 +6,7 @@ import logging
 
 import zmq
 
-from ..args import ServerArgs
-from ..ipc import Publisher, Pull, Push
+from ..config.server_args import ServerArgs
 from ..messages import (
     AbortReq,
     Detokenize,
@@ -22,6 +21,7 @@ from ..messages import (
     TextDelta,
     Usage,
 )
+from ..runtime.ipc import Publisher, Pull, Push
 from ..tokenizer import Tokenizer, load_tokenizer
 from .incremental import IncrementalText
 

@@ -11,11 +11,11 @@ from collections import defaultdict
 import torch
 from safetensors import safe_open
 
-from ..config import ModelConfig
-from ..progress import progress
+from ..config.model import ModelConfig
 from .distributed import single_rank, tp
 from .distributed.shard import LazySlice, shard, shard_expert_part
 from .models import Qwen4ExpForCausalLM
+from .progress import progress
 from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_tensor
 
 logger = logging.getLogger(__name__)

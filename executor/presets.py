@@ -9,11 +9,11 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from ..config import ModelConfig
-from ..progress import progress
+from ..config.model import ModelConfig
 from ..tokenizer import QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
 from .layers.ple import hashing_constants
 from .loader import empty_model
+from .progress import progress
 from .weights import random_tensor, split_for_checkpoint
 
 IM_END, ENDOFTEXT = 248046, 248044

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from ..args import ServerArgs
-from ..config import ModelConfig
-from ..faults import check, fault
-from ..ipc import Pull, Push
+from ..config.model import ModelConfig
+from ..config.pools import pool_sizes
+from ..config.server_args import ServerArgs
 from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready, Shutdown
-from ..sizing import pool_sizes
+from ..runtime.faults import check, fault
+from ..runtime.ipc import Pull, Push
 from .distributed import init_tp
 from .runner import Launched, build_runner
 
@@ -72,10 +72,10 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         init_tp(rank, args.tp, args.dist_init_addr, "nccl" if device.startswith("cuda") else "gloo")
         check_agreement(args, config, rank)
     runner = build_runner(args, config, sizes, model_path, device=device)
-    control.send(Ready(role=f"executor-{rank}", info={
-        "device": str(runner.device), "dtype": str(next(runner.model.parameters()).dtype).replace("torch.", ""),
-        "kv_bytes_per_token": runner.kv.bytes_per_token(), "state_bytes_per_slot": runner.states.bytes_per_slot()}))
-    logger.info("rank %d ready on %s", rank, runner.device)
+    control.send(Ready(role=f"executor-{rank}"))
+    logger.info("rank %d ready on %s (%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,
+                str(next(runner.model.parameters()).dtype).replace("torch.", ""), runner.kv.bytes_per_token(),
+                runner.states.bytes_per_slot())
     BatchLoop(args, rank, runner, inbound, results, control).run()
 
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..chunking import chunk_bounds
-from ..config import ModelConfig
-from ..faults import scripted_output
+from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
+from ..runtime.faults import scripted_output
+from ..scheduler.chunking import chunk_bounds
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch

@@ -13,7 +13,7 @@ import zlib
 
 import torch
 
-from ..config import ModelConfig
+from ..config.model import ModelConfig
 
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PLE_SHARD_KEY = re.compile(r"^(model\.layers\.\d+\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")

@@ -7,16 +7,16 @@ import logging
 
 import zmq.asyncio
 
-from ..ipc import AsyncPull, AsyncPush
 from ..messages import (
     AbortReq,
     FrontendInbound,
     GenerateReq,
-    Ready,
+    MeshReady,
     SchedulerStats,
     Shutdown,
     TextDelta,
 )
+from ..runtime.ipc import AsyncPull, AsyncPush
 from .metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class EngineClient:
                     queue.put_nowait(msg)
             elif isinstance(msg, SchedulerStats):
                 self.metrics.stats = msg
-            elif isinstance(msg, Ready) and msg.role == "mesh":
+            elif isinstance(msg, MeshReady):
                 if self.failure is not None:
                     logger.info("the mesh restarted; serving again")
                 self.ready, self.failure = True, None

@@ -18,11 +18,11 @@ from pathlib import Path
 import zmq
 from aiohttp import web
 
-from ..args import ServerArgs
-from ..config import ModelConfig
-from ..ipc import Push
-from ..messages import GenerateReq, Ready, SamplingParams, TextDelta, Usage
-from ..sizing import pool_sizes
+from ..config.model import ModelConfig
+from ..config.pools import pool_sizes
+from ..config.server_args import ServerArgs
+from ..messages import Drained, GenerateReq, Ready, SamplingParams, TextDelta, Usage
+from ..runtime.ipc import Push
 from ..tokenizer import load_tokenizer
 from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
@@ -462,8 +462,8 @@ async def serve_frontend(args: ServerArgs, model_path: str) -> None:
     await site.start()
     ctx = zmq.Context()
     control = Push(ctx, args.control_addr)
-    frontend.client.on_drained = lambda: control.send(Ready(role="frontend-drained"))
-    control.send(Ready(role="frontend", info={"url": f"http://{args.host}:{args.port}"}))
+    frontend.client.on_drained = lambda: control.send(Drained())
+    control.send(Ready(role="frontend"))
     logger.info("listening on http://%s:%d", args.host, args.port)
     await asyncio.Event().wait()
 

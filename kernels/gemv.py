@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from .backend import use_triton
 
-# Rows up to which a CUDA projection takes the GEMV (measured with ``scripts/bench_decode_kernels.py
+# Rows up to which a CUDA projection takes the GEMV (measured with ``benchmarks/bench_decode_kernels.py
 # --parts gemv``; beyond it each extra row costs the kernel more than cuBLAS' whole GEMM), the widest
 # reduction it takes (a weight row is one register tile), and the most rows a launch serves.
 GEMV_ROWS = 2

@@ -3,7 +3,7 @@ on the CPU by the tests under ``TRITON_INTERPRET=1``).
 
 At one row a projection is a read of its weight. For the small weights of a decode step (a few MB)
 cuBLAS runs a split-K GEMM and a reduce, two launches of a fixed 3-5 us whatever the bytes
-(``scripts/bench_decode_gemm.py``). Here one launch does it: a program takes ``BLOCK_N`` whole weight
+(``benchmarks/bench_decode_gemm.py``). Here one launch does it: a program takes ``BLOCK_N`` whole weight
 rows and loads them in one unrolled pass, so every byte it needs is in flight at once (a loop over the
 reduction would wait one HBM round trip per step, which is why a GEMV with too few programs starves),
 then multiplies them with each row of ``x`` in turn (the weight tile stays in registers) and writes

@@ -28,7 +28,7 @@ from .norm import rms_norm_ref
 # Rows up to which a CUDA ``GatedResidual.residual_mix`` runs as two weight-streaming Triton launches
 # (``hc_norm_down_triton``, then ``hc_mix_tail_triton``) instead of the residual-norm kernel and two
 # cuBLAS GEMMs around the gate and block-input kernels; measured (with a plain GEMV for the first
-# launch) with ``scripts/bench_decode_kernels.py --parts hc``.
+# launch) with ``benchmarks/bench_decode_kernels.py --parts hc``.
 MIX_GEMV_ROWS = 4
 
 

@@ -27,7 +27,7 @@ TRITON_MAX_ASSIGNMENTS = 0
 # assignment streams its expert's weights once, sums in fp32 and rounds once); larger forwards, and every
 # forward with a prompt row, take the grouped GEMM. So a prompt's rows compute alike however it is
 # chunked or cached; a decode row's rounding depends on whether its forward was decode-only. Measured on
-# the H200 at the bench shapes (scripts/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the
+# the H200 at the bench shapes (benchmarks/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the
 # GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us
 # for the grouped path (router and shared expert included).
 GEMV_MAX_TOKENS = 64

@@ -40,7 +40,7 @@ from . import pdl
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
-# warp they need no shared memory. Measured at 512 experts with scripts/bench_decode_kernels.py.
+# warp they need no shared memory. Measured at 512 experts with benchmarks/bench_decode_kernels.py.
 ROUTE_WARPS = 1
 
 
@@ -100,7 +100,7 @@ class GemvConfig:
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
-# shapes (hidden 2048, intermediate 512, top-10 + shared) with scripts/bench_decode_kernels.py: gate_up
+# shapes (hidden 2048, intermediate 512, top-10 + shared) with benchmarks/bench_decode_kernels.py: gate_up
 # up to 8 tokens 2 columns a program over the whole 2,048-wide reduction in one tile (its loads all in
 # flight at once): 28.6 / 45.2 / 132.7 us for the layer's MoE at 1 / 2 / 8 tokens, against 30.2 / 47.0 /
 # 139.5 with 8 columns and 512-wide tiles (docs/device/2026-11-30i/call4/), which larger batches keep

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..chunking import chunk_bounds, chunk_step
+from .chunking import chunk_bounds, chunk_step
 
 
 @dataclass

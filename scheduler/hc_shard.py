@@ -9,7 +9,7 @@ prefills; decodes and mixed batches keep full rows (and CUDA graphs, where they 
 
 from __future__ import annotations
 
-from ..args import ServerArgs
+from ..config.server_args import ServerArgs
 
 MIN_ROWS = 1024
 

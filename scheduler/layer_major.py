@@ -10,8 +10,8 @@ and the plan says why.
 
 from __future__ import annotations
 
-from ..args import ServerArgs
-from ..chunking import chunk_step
+from ..config.server_args import ServerArgs
+from .chunking import chunk_step
 
 
 def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool) -> tuple[bool, str]:

@@ -7,10 +7,9 @@ import time
 
 import zmq
 
-from ..args import ServerArgs
-from ..config import ModelConfig
-from ..faults import check
-from ..ipc import Pull, Push
+from ..config.model import ModelConfig
+from ..config.pools import pool_sizes
+from ..config.server_args import ServerArgs
 from ..messages import (
     AbortReq,
     Batch,
@@ -23,7 +22,8 @@ from ..messages import (
     Shutdown,
     StepOutput,
 )
-from ..sizing import pool_sizes
+from ..runtime.faults import check
+from ..runtime.ipc import Pull, Push
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -167,9 +167,7 @@ class SchedulerLoop:
             self._last_stats, self._last_stats_time = changed, now
 
     def run(self) -> None:
-        self.control.send(Ready(role="scheduler", info={
-            "max_model_len": self.sizes.max_model_len, "num_pages": self.sizes.num_pages,
-            "page_size": self.sizes.page_size, "num_slots": self.sizes.num_slots}))
+        self.control.send(Ready(role="scheduler"))
         logger.info("ready: %d KV pages of %d tokens, %d state slots", self.sizes.num_pages,
                     self.sizes.page_size, self.sizes.num_slots)
         while self.running:

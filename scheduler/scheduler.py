@@ -13,9 +13,9 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from ..args import ServerArgs
-from ..chunking import chunk_step
-from ..config import ModelConfig
+from ..config.model import ModelConfig
+from ..config.pools import PoolSizes
+from ..config.server_args import ServerArgs
 from ..messages import (
     Batch,
     Detokenize,
@@ -27,8 +27,8 @@ from ..messages import (
     TokenLogprob,
     Usage,
 )
-from ..sizing import PoolSizes
 from .checkpoint_plan import CheckpointPlan, plan_prompt
+from .chunking import chunk_step
 from .hc_shard import hc_shard_decision
 from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool

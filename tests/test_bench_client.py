@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 from server_harness import API_KEY, Server, free_port
 
+from tidal.bench.cli import PromptIds
 from tidal.bench.client import check
 from tidal.bench.stats import percentile, summarize
-from tidal.benchmark import PromptIds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

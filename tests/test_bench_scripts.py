@@ -155,7 +155,7 @@ def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monke
     import torch
 
     from tidal import LLM
-    from tidal.config import ModelConfig
+    from tidal.config.model import ModelConfig
 
     spec = importlib.util.spec_from_file_location("bench_forward", os.path.join(SCRIPTS, "bench_forward.py"))
     bench = importlib.util.module_from_spec(spec)

@@ -17,7 +17,9 @@ import pytest
 from server_harness import Tap, free_port, health_status
 
 import tidal
-from tidal import cli, deploy
+from tidal import cli
+from tidal.config.server_args import ArgsError
+from tidal.runtime import run as deploy
 
 ROOT = os.path.dirname(os.path.abspath(tidal.__file__))
 DOCKER = os.path.join(ROOT, "docker")
@@ -76,7 +78,7 @@ def _env_example() -> dict[str, str]:
 
 def _plan(service: dict) -> deploy.RunPlan:
     ns = cli.build_parser().parse_args(service["command"])
-    assert ns.func is deploy.run_role
+    assert ns.func is deploy.run_command
     return deploy.resolve(ns, service["environment"])
 
 
@@ -158,17 +160,17 @@ def test_flags_win_over_environment_and_errors_name_both():
     assert plan.args.scheduler_addr == "tcp://c:4" and plan.args.control_addr == "tcp://a:2"
     assert plan.args.prefill_layer_major is True and plan.args.max_prefill_length is None
     assert plan.args.max_running_requests == 32  # neither: the default
-    with pytest.raises(deploy.ArgsError, match=r"^--detokenizer-addr \(or TIDAL_DETOKENIZER_ADDR\) is required"):
+    with pytest.raises(ArgsError, match=r"^--detokenizer-addr \(or TIDAL_DETOKENIZER_ADDR\) is required"):
         deploy.resolve(parse(["run", "scheduler"]), {**env, "TIDAL_FRONTEND_ADDR": "tcp://f:5"})
-    with pytest.raises(deploy.ArgsError, match=r"^TIDAL_TP='two' \(for --tp\)"):
+    with pytest.raises(ArgsError, match=r"^TIDAL_TP='two' \(for --tp\)"):
         deploy.resolve(parse(["run", "executor"]), {**env, "TIDAL_TP": "two"})
-    with pytest.raises(deploy.ArgsError, match=r"^--tp \(from TIDAL_TP\): must be >= 1"):
+    with pytest.raises(ArgsError, match=r"^--tp \(from TIDAL_TP\): must be >= 1"):
         deploy.resolve(parse(["run", "executor"]), {**env, "TIDAL_TP": "0"})
-    with pytest.raises(deploy.ArgsError, match=r"^--rank: must be in \[0, --tp 1\)"):
+    with pytest.raises(ArgsError, match=r"^--rank: must be in \[0, --tp 1\)"):
         deploy.resolve(parse(["run", "executor", "--rank", "1"]), env)
-    with pytest.raises(deploy.ArgsError, match=r"^--dist-init-addr \(or TIDAL_DIST_INIT_ADDR\) is required"):
+    with pytest.raises(ArgsError, match=r"^--dist-init-addr \(or TIDAL_DIST_INIT_ADDR\) is required"):
         deploy.resolve(parse(["run", "executor", "--tp", "2", "--executor-addr", "tcp://e-{rank}:3"]), env)
-    with pytest.raises(deploy.ArgsError, match=r"^--scheduler-addr \(from TIDAL_SCHEDULER_ADDR\): must be "
+    with pytest.raises(ArgsError, match=r"^--scheduler-addr \(from TIDAL_SCHEDULER_ADDR\): must be "
                                                r"tcp://HOST:PORT"):
         deploy.resolve(parse(["run", "executor"]), {**env, "TIDAL_SCHEDULER_ADDR": "tcp://nohost"})
     # The command line: one line on stderr, exit 2, no traceback.

@@ -258,8 +258,8 @@ def test_scripted_output_hook(tiny_checkpoint):
 def test_a_push_whose_peer_takes_nothing_raises_instead_of_blocking(tmp_path):
     import zmq
 
-    from tidal.ipc import PeerStuck, Push
     from tidal.messages import Shutdown
+    from tidal.runtime.ipc import PeerStuck, Push
 
     ctx = zmq.Context()
     try:

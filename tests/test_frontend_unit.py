@@ -8,10 +8,10 @@ import time
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from tidal.args import ServerArgs
+from tidal.config.server_args import ServerArgs
 from tidal.frontend.server import Frontend
-from tidal.launcher import wire
 from tidal.messages import TextDelta, Usage
+from tidal.runtime.serve import wire
 
 PARSE_SECONDS = 0.4
 

@@ -392,7 +392,7 @@ def test_body_over_the_limit_gets_413(server):
 
 
 def test_max_request_bytes_flag_is_validated():
-    from tidal.args import ArgsError, ServerArgs
+    from tidal.config.server_args import ArgsError, ServerArgs
 
     assert ServerArgs().max_request_bytes == 64 << 20
     with pytest.raises(ArgsError, match="--max-request-bytes"):

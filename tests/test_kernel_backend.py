@@ -88,7 +88,7 @@ def test_forces_torch(monkeypatch, value, forced):
 def test_decode_graphs_decision(monkeypatch, value, kw, want):
     """``build_runner`` captures decode graphs on CUDA only while no operation is forced onto a torch
     reference (and with graphs enabled, resident PLE, one rank)."""
-    from tidal.args import ServerArgs
+    from tidal.config.server_args import ServerArgs
     from tidal.executor.runner import decode_graphs
 
     monkeypatch.setenv("TIDAL_KERNELS", value)

@@ -282,7 +282,7 @@ def test_down_inject_weight_follows_the_parameters(monkeypatch):
 def test_stacked_projections_equal_the_separate_ones():
     """GDN's four input projections and attention's q/k/v/index projections as one GEMM (the GPU
     path) equal the checkpoint's separate projections."""
-    from tidal.config import ModelConfig
+    from tidal.config.model import ModelConfig
     from tidal.executor.layers.attention import GatedAttention
     from tidal.executor.layers.gdn import GatedDeltaNet
     from tidal.executor.layers.rotary import Rotary

@@ -14,7 +14,7 @@ import torch
 from server_harness import Server, Tap
 
 from tidal import LLM
-from tidal.args import ServerArgs
+from tidal.config.server_args import ServerArgs
 from tidal.executor.offload.experts import ExpertStore
 from tidal.executor.offload.ple_table import PinnedTable, RowsAhead
 from tidal.kernels.moe import fused_experts_ref

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tidal import LLM
-from tidal.config import ConfigError, ModelConfig
+from tidal.config.model import ConfigError, ModelConfig
 from tidal.executor.loader import CheckpointError, load_model
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tidal import LLM
-from tidal.args import ServerArgs
-from tidal.config import ModelConfig
+from tidal.config.model import ModelConfig
+from tidal.config.pools import pool_sizes
+from tidal.config.server_args import ServerArgs
 from tidal.messages import GenerateReq, SamplingParams, encode
 from tidal.scheduler import Scheduler
-from tidal.sizing import pool_sizes
 
 
 def ids(n: int, seed: int) -> list[int]:

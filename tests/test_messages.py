@@ -9,21 +9,26 @@ import msgspec
 import pytest
 import zmq
 
-from tidal.ipc import Pull
 from tidal.messages import (
     AbortReason,
     AbortReq,
     Batch,
+    ControlInbound,
     Detokenize,
     DetokenizerInbound,
+    Drained,
     ExecutorFailed,
     ExecutorInbound,
     FinishReason,
     FrontendInbound,
+    Heartbeat,
+    MemberState,
+    MeshReady,
     Plan,
     PlanMode,
     PromptAdmitted,
     Ready,
+    RelayInbound,
     SchedulerInbound,
     SegmentSpec,
     StepOutput,
@@ -33,9 +38,7 @@ from tidal.messages import (
     decoder,
     encode,
 )
-
-# The launcher's control socket carries this union (launcher.py).
-ControlInbound = Ready | ExecutorFailed
+from tidal.runtime.ipc import Pull
 
 # What the processes send, found by reading each field's producers.
 FINISH_REASONS = ["stop", "length", "abort", "error"]  # scheduler, detokenizer (stop, error), abort reasons
@@ -43,7 +46,8 @@ ABORT_REASONS = ["abort", "stop", "error"]  # frontend, detokenizer (stop string
 PLAN_MODES = ["chunked", "layer_major"]  # scheduler
 DETOKENIZE_STATUSES = [400, 500]  # scheduler: refused at admission, failed while running
 TEXT_DELTA_STATUSES = [400, 500, 503]  # the above, passed through; 503: the frontend's drain deadline
-ROLES = ["scheduler", "detokenizer", "frontend", "frontend-drained", "mesh", "executor-0", "executor-7"]
+ROLES = ["scheduler", "detokenizer", "frontend", "executor-0", "executor-7"]  # runtime/roles.py, one per rank
+MEMBER_STATES = ["starting", "ready", "leaving", "failed"]  # runtime/supervisor.py's Member
 
 
 def _segment() -> SegmentSpec:
@@ -58,6 +62,7 @@ def test_literal_sets_are_what_the_code_sends():
     assert sorted(typing.get_args(FinishReason)) == sorted(FINISH_REASONS)
     assert sorted(typing.get_args(AbortReason)) == sorted(ABORT_REASONS)
     assert sorted(typing.get_args(PlanMode)) == sorted(PLAN_MODES)
+    assert sorted(typing.get_args(MemberState)) == sorted(MEMBER_STATES)
 
 
 @pytest.mark.parametrize("reason", ABORT_REASONS)
@@ -100,8 +105,17 @@ def test_modes_round_trip(mode):
 
 @pytest.mark.parametrize("role", ROLES)
 def test_roles_round_trip(role):
-    _round_trip(Ready(role=role, info={"k": 1}), ControlInbound)
-    _round_trip(Ready(role=role), FrontendInbound)
+    _round_trip(Ready(role=role), RelayInbound)
+    for state in MEMBER_STATES:
+        _round_trip(Heartbeat(role=role, instance="abc-1", state=state, error="x" if state == "failed" else ""),
+                    ControlInbound)
+
+
+def test_lifecycle_messages_round_trip():
+    _round_trip(Drained(), RelayInbound)
+    _round_trip(ExecutorFailed(rank=-1, error="hung"), ControlInbound)
+    _round_trip(ExecutorFailed(rank=0, error="lost"), RelayInbound)
+    _round_trip(MeshReady(), FrontendInbound)
 
 
 # Messages built with a value outside their field's set (a Struct does not validate on construction).
@@ -117,10 +131,11 @@ BAD = [
     (PromptAdmitted(rid="r", prompt_tokens=1, cached_tokens=0, plan=Plan(mode="bulk", chunks=[[0, 1]])),
      DetokenizerInbound),
     (Batch(batch_id=1, segments=[_segment()], mode="layer-major"), ExecutorInbound),
-    (Ready(role="worker"), ControlInbound),
-    (Ready(role="executor-"), ControlInbound),
-    (Ready(role="executor-1x"), ControlInbound),
-    (Ready(role="mesh "), FrontendInbound),
+    (Ready(role="worker"), RelayInbound),
+    (Ready(role="executor-"), RelayInbound),
+    (Ready(role="mesh"), RelayInbound),
+    (Heartbeat(role="executor-1x", instance="a", state="ready"), ControlInbound),
+    (Heartbeat(role="frontend", instance="a", state="alive"), ControlInbound),
 ]
 
 

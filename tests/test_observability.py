@@ -131,8 +131,8 @@ def test_every_server_flag_has_help_and_shows_its_default(command):
     entries = {m.group(1): " ".join(m.group(0).split())
                for m in re.finditer(r"^  (-[-\w]+).*?(?=^  -|\Z)", options, re.M | re.S)}
     # tidal run leaves unset flags out of its namespace (the environment may set them): its defaults
-    # are those of tidal serve's flags and of its own (deploy.RunOptions).
-    from tidal.deploy import RunOptions
+    # are those of tidal serve's flags and of its own (RunOptions).
+    from tidal.runtime.run import RunOptions
 
     real = {a.dest: a.default for a in sub.choices["serve"]._actions}
     real.update({f: getattr(RunOptions(), f) for f in RunOptions.__dataclass_fields__})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tidal import LLM
-from tidal.config import ModelConfig
+from tidal.config.model import ModelConfig
 
 PROMPT_LEN = 300
 GREEDY_TOKENS = 32

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tidal.config import ModelConfig
+from tidal.config.model import ModelConfig
 from tidal.executor.offload.ple_table import DeviceTable, DiskTable, PinnedTable, RowsAhead, ShardRef, find_ple_shards
 
 # tiny's PLE layers are 1 and 4 (one-indexed); it splits each table into 4 shards.

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.args import ServerArgs
-from tidal.config import ModelConfig
+from tidal.config.model import ModelConfig
+from tidal.config.pools import pool_sizes
+from tidal.config.server_args import ServerArgs
 from tidal.messages import AbortReq, Detokenize, GenerateReq, PromptAdmitted
 from tidal.scheduler import Scheduler
-from tidal.sizing import pool_sizes
 
 
 @pytest.fixture

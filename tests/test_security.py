@@ -13,8 +13,8 @@ import urllib.request
 
 from server_harness import API_KEY, Server
 
-from tidal.args import ServerArgs
 from tidal.cli import build_parser
+from tidal.config.server_args import ServerArgs
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent
 

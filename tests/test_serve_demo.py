@@ -13,7 +13,7 @@ import urllib.request
 
 from server_harness import child_pids, free_port
 
-from tidal.launcher import DEMO_VERSION
+from tidal.runtime.demo import DEMO_VERSION
 
 
 def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:

@@ -175,7 +175,7 @@ def test_random_weights_are_the_same_at_any_tp(tp_checkpoint):
     (4096, 2, True, False),
 ])
 def test_hc_shard_eligibility(rows, size, decode, shard):
-    from tidal.args import ServerArgs
+    from tidal.config.server_args import ServerArgs
     from tidal.scheduler.hc_shard import hc_shard_decision
 
     ok, why = hc_shard_decision(ServerArgs(tp=size, hc_prefill_mode="shard"), rows, decode)

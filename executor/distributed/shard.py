@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from .group import split, tp
 
 

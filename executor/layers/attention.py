@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from ...kernels.attention import paged_attention
 from ...kernels.backend import use_triton
 from ...kernels.gemv import linear

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.conv import causal_conv1d_update, causal_conv1d_varlen, conv_windows
 from ...kernels.gdn import gdn_gates

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.gemv import linear
 from ...kernels.moe import add_shared, fused_experts, gemv_applies, route

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from ..distributed.shard import kv_heads
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...config import ModelConfig
+from ...config.model import ModelConfig
 from ..distributed import split
 from ..distributed.shard import gdn_sections
 from ..upload import device_ints

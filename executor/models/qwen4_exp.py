@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config import LINEAR, ModelConfig
+from ...config.model import LINEAR, ModelConfig
 from ...kernels.hyper_connection import hc_residual_norm
 from ..distributed import tp
 from ..forward_batch import ForwardBatch

@@ -1,0 +1,93 @@
+"""Decode through ``tidal serve``: CUDA graphs and overlapped scheduling on and off, side by side
+(device-only).
+
+    python benchmarks/bench_decode_server.py --out DIR [--preset bench] [--concurrency 1,8,32]
+        [--contexts 16,8192] [--tokens 256] [--arms graphs,graphs-no-overlap,eager]
+
+One ``tidal serve --load-format random`` per arm, all up at once: ``graphs`` (the defaults: CUDA
+graphs, overlapped scheduling), ``graphs-no-overlap`` (``--disable-overlap-schedule``), ``eager``
+(``--disable-cuda-graph``), ``eager-no-overlap`` (both); for each context and concurrency the arms
+take turns, each first running an untimed sample of the same shape. Each sample starts ``concurrency``
+streamed greedy completions of ``--tokens`` tokens (``ignore_eos``) after distinct random prompts of
+``context`` tokens (nothing cached); decode tok/s =
+generated tokens after the first / the time from the slowest first token to the last response's end.
+Writes ``DIR/bench_decode_server.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from server_harness import Server, stream_completion  # noqa: E402
+
+from tidal.executor.presets import write_checkpoint  # noqa: E402
+
+ARMS = {"graphs": [], "graphs-no-overlap": ["--disable-overlap-schedule"], "eager": ["--disable-cuda-graph"],
+        "eager-no-overlap": ["--disable-cuda-graph", "--disable-overlap-schedule"]}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 1_000_003 + n)
+    return [rng.randrange(1000, 240000) for _ in range(n)]
+
+
+def sample(srv: Server, context: int, conc: int, tokens: int, seed: int) -> float:
+    prompts = [prompt(context, seed * 1000 + i) for i in range(conc)]
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(conc) as pool:
+        results = list(pool.map(lambda p: stream_completion(srv.url, p, tokens, model="bench"), prompts))
+    span = time.monotonic() - t0 - max(r[0] if r[0] is not None else r[1] for r in results)
+    assert all(r[2]["completion_tokens"] == tokens for r in results)
+    return conc * (tokens - 1) / span
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--contexts", default="16,8192")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--arms", default="graphs,graphs-no-overlap,eager")
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    path = write_checkpoint(ns.preset, os.path.join(ns.out, "ckpt"), weights=False)
+    concs = [int(x) for x in ns.concurrency.split(",")]
+    contexts = [int(x) for x in ns.contexts.split(",")]
+    per_request = max(contexts) + ns.tokens + 64
+    flags = ["--load-format", "random", "--served-model-name", "bench", "--max-model-len", str(per_request),
+             "--kv-pool-tokens", str(max(concs) * per_request + 16384), "--max-running-requests", str(max(concs)),
+             "--max-prefill-length", "8192"]
+    arms = ns.arms.split(",")
+    servers = {}
+    results = {"preset": ns.preset, "tokens": ns.tokens, "rows": []}
+    try:
+        for arm in arms:
+            servers[arm] = Server(path, *flags, *ARMS[arm], api_key=None, device="cuda", ready_timeout=600)
+            stream_completion(servers[arm].url, prompt(64, 1), 8, model="bench")  # warm-up
+        for context in contexts:
+            for conc in concs:
+                for arm in arms:
+                    # As long as the timed sample: the graphs (and kernels) of every shape it meets, the QSA block
+                    # count growing with the context included, are captured (compiled) before it.
+                    sample(servers[arm], context, conc, ns.tokens, seed=7)
+                    rate = sample(servers[arm], context, conc, ns.tokens, seed=context + conc)
+                    results["rows"].append({"arm": arm, "context": context, "concurrency": conc, "tok_per_s": rate})
+                    print(f"{arm:18s} context {context:5d} concurrency {conc:3d}: {rate:8.1f} tok/s", flush=True)
+                    with open(os.path.join(ns.out, "bench_decode_server.json"), "w") as f:
+                        json.dump(results, f, indent=1)
+    finally:
+        for arm, srv in servers.items():
+            left = srv.stop()
+            print(f"server {arm} stopped, processes left: {left}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

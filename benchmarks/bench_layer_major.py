@@ -1,0 +1,230 @@
+"""Layer-major long prefill against chunked, with experts streamed from host memory (device-only).
+
+    python benchmarks/bench_layer_major.py --out DIR [--preset bench] [--cold 32012] [--continuation 32077]
+                                        [--chunk 4096] [--cache-fraction 0.11] [--arms chunked,layer_major,resident]
+                                        [--no-coalesce] [--prompts text|ids]
+
+The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format random``, pinned PLE,
+``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms,
+``--prefill-coalesce`` in every arm unless ``--no-coalesce``: a layer-major prefill always exports its
+checkpoint from inside its one forward, and so every arm runs the prompt in the same forwards and
+gives the same greedy ids, none paying a separate tail forward): three 512-token warm-ups, then
+(cold, continuation) pairs built from three repeated paragraphs with the served tokenizer
+(``--prompts ids``: random token ids instead, sent as token-id prompts); the first pair warms the
+long shapes and is not scored, the other two colds are.
+Each request streams ``temperature 0, max_tokens 128, ignore_eos``; first text is the first SSE
+event with non-empty text, timed from just before the HTTP request. Per arm: medians of first-text
+and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to
+its first text (``/metrics`` read when the first text arrives; a decode step or two may slip in),
+and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in this run.
+Token ids (from the tap) are compared across arms. Writes ``DIR/bench_layer_major.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from server_harness import Server, Tap  # noqa: E402
+
+from tidal.executor.presets import write_checkpoint  # noqa: E402
+from tidal.tokenizer import load_tokenizer  # noqa: E402
+
+SHORT = "Arithmetic exercises: add two small integers and explain the answer.\n"
+PARAGRAPHS = [
+    "Astronomy records describe distant stars, spectral lines, orbital periods and careful observations.\n",
+    "Botanical notes describe leaves, roots, flowering seasons, soil moisture and seed dispersal.\n",
+    "Cartography exercises describe rivers, mountain contours, compass bearings and geographic coordinates.\n",
+]
+ARM_FLAGS = {
+    "chunked": ["--moe-strategy", "offload"],
+    "layer_major": ["--moe-strategy", "offload", "--prefill-layer-major"],
+    "resident": ["--moe-strategy", "resident"],
+}
+
+
+def exact(tok, text: str, length: int) -> str:
+    """Text that encodes to exactly ``length`` tokens (the seed's construction)."""
+    ids = tok.encode(text)[:length]
+    assert len(ids) == length, f"the text encodes to only {len(ids)} tokens"
+    out = tok.decode(ids, skip_special=False)
+    assert tok.encode(out) == ids, "the cut text does not re-encode to the same ids"
+    return out
+
+
+def h2d_bandwidth(device: str) -> float:
+    """Host-to-device bytes per second (pinned on a GPU): a 1 GiB copy, median of 5 after a warm-up."""
+    cuda = device.startswith("cuda")
+    size = 1 << 30
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty_like(host, device=device)
+    times = []
+    for _ in range(6):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times[1:])
+
+
+def stream(url: str, model: str, prompt: str | list[int], max_tokens: int, on_first=None) -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    first, usage, rid, finish, done = None, None, None, None, False
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+                continue
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"].removeprefix("cmpl-")
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                finish = choice.get("finish_reason") or finish
+                if first is None and choice["text"]:
+                    first = time.monotonic() - t0
+                    if on_first is not None:
+                        on_first()
+    full = time.monotonic() - t0
+    return {"rid": rid, "first_text_s": first, "full_s": full, "usage": usage, "finish_reason": finish, "done": done,
+            "output_tok_per_s": (usage or {}).get("completion_tokens", 0) / full}
+
+
+def expert_bytes(srv: Server) -> float:
+    m = srv.metrics()
+    return sum(v for k, v in m.items() if k.startswith("tidal_expert_bytes_total"))
+
+
+def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
+    flags = ["--load-format", "random", "--served-model-name", "bench", "--max-prefill-length", str(ns.chunk),
+             "--ple-backend", "pinned", "--max-running-requests", "2", "--max-model-len", "98304",
+             "--kv-pool-tokens", "98304", "--enable-cache-report", *ARM_FLAGS[arm]]
+    if ns.coalesce:
+        flags.append("--prefill-coalesce")
+    if arm != "resident":
+        flags += ["--moe-cache-slots", str(slots)]
+    t0 = time.monotonic()
+    srv = Server(path, *flags, api_key=None, device=ns.device, ready_timeout=900)
+    start_s = time.monotonic() - t0
+    tap = Tap(srv.tap_addr)
+    out = {"arm": arm, "flags": flags, "start_s": start_s, "requests": []}
+    try:
+        for name, prompt in prompts["sequence"]:
+            before = expert_bytes(srv)
+            at_first: list[float] = []
+            r = stream(srv.url, "bench", prompt, ns.max_tokens,
+                       on_first=lambda seen=at_first: seen.append(expert_bytes(srv)))
+            admitted, token_ids, _ = tap.wait_finished(r["rid"])
+            r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=token_ids,
+                     expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
+                     cached_tokens=admitted["cached_tokens"], prompt_tokens=admitted["prompt_tokens"],
+                     plan=admitted["plan"])
+            ok = r["done"] and r["finish_reason"] == "length" and r["usage"]["completion_tokens"] == ns.max_tokens
+            r["checks_ok"] = bool(ok)
+            out["requests"].append(r)
+            print(f"{arm:12s} {name:22s} first {r['first_text_s']:.3f} s full {r['full_s']:.3f} s "
+                  f"cached {r['cached_tokens']} mode {r['plan']['mode']} H2D to first text "
+                  f"{(r['expert_bytes_to_first_text'] or 0) / 1e9:.2f} GB, in all {r['expert_bytes'] / 1e9:.2f} GB "
+                  f"checks {'ok' if ok else 'FAILED'}", flush=True)
+    finally:
+        tap.close()
+        out["left_after_stop"] = srv.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--cold", type=int, default=32012)
+    ap.add_argument("--continuation", type=int, default=32077)
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--cache-fraction", type=float, default=0.11)
+    ap.add_argument("--arms", default="chunked,layer_major,resident")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
+                    help="--prefill-coalesce in every arm")
+    ap.add_argument("--prompts", default="text", choices=["text", "ids"],
+                    help="text: the seed's repeated paragraphs; ids: random token ids (with random weights they "
+                         "spread a chunk's routing over the experts as trained routers do; text repeated this way "
+                         "concentrates it)")
+    ns = ap.parse_args()
+    os.makedirs(ns.out, exist_ok=True)
+    path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    tok = load_tokenizer(path)
+    from tidal.config.model import ModelConfig
+
+    config = ModelConfig.from_file(path)
+    slots = max(config.num_experts_per_tok, int(config.num_experts * config.num_hidden_layers * ns.cache_fraction))
+    if ns.prompts == "text":
+        short = exact(tok, SHORT * 100, 512)
+        pairs = []
+        for paragraph in PARAGRAPHS:
+            continuation = exact(tok, paragraph * 3500, ns.continuation)
+            cold = exact(tok, continuation, ns.cold)
+            assert continuation.startswith(cold)
+            pairs.append((cold, continuation))
+    else:  # token ids drawn at random from ordinary (non-special) ids, sent as the prompt itself
+        gen = torch.Generator().manual_seed(0)
+
+        def draw(n: int) -> list[int]:
+            return torch.randint(1000, 150000, (n,), generator=gen).tolist()
+        short = draw(512)
+        pairs = []
+        for _ in PARAGRAPHS:
+            cold = draw(ns.cold)
+            pairs.append((cold, cold + draw(ns.continuation - ns.cold)))
+    sequence = [("warmup-1", short), ("warmup-2", short), ("functional", short)]
+    for i, (cold, continuation) in enumerate(pairs):
+        sequence += [(f"cold-{i}", cold), (f"continuation-{i}", continuation)]
+    bandwidth = h2d_bandwidth(ns.device)
+    print(f"pinned host-to-device: {bandwidth / 1e9:.1f} GB/s; expert cache {slots} slots", flush=True)
+    arms = [run_arm(a, path, ns, {"sequence": sequence}, slots) for a in ns.arms.split(",")]
+    summary = {}
+    for arm in arms:
+        scored = [r for r in arm["requests"] if r["name"] in ("cold-1", "cold-2")]
+        med = {k: statistics.median(r[k] for r in scored) for k in ("first_text_s", "full_s", "output_tok_per_s")}
+        moved = statistics.median(r["expert_bytes_to_first_text"] or 0 for r in scored)
+        med.update(h2d_bytes=moved, pcie_floor_s=moved / bandwidth,
+                   all_checks_ok=all(r["checks_ok"] for r in arm["requests"]))
+        summary[arm["arm"]] = med
+    reference = [r["token_ids"] for r in arms[0]["requests"]]
+    same_ids = {a["arm"]: [r["token_ids"] for r in a["requests"]] == reference for a in arms}
+    result = {"preset": ns.preset, "prompts": ns.prompts, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth,
+              "cache_slots": slots, "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
+    if "chunked" in summary and "layer_major" in summary:
+        lm, ch = summary["layer_major"], summary["chunked"]
+        result["first_text_ratio_chunked_over_layer_major"] = ch["first_text_s"] / lm["first_text_s"]
+        result["layer_major_over_pcie_floor"] = lm["first_text_s"] / lm["pcie_floor_s"] if lm["pcie_floor_s"] else None
+    with open(os.path.join(ns.out, "bench_layer_major.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print("\narm           first-text s  full s   out tok/s  H2D GB   PCIe floor s  checks  ids")
+    for name, med in summary.items():
+        print(f"{name:12s}  {med['first_text_s']:12.3f}  {med['full_s']:7.3f}  {med['output_tok_per_s']:9.2f}  "
+              f"{med['h2d_bytes'] / 1e9:7.2f}  {med['pcie_floor_s']:12.3f}  {str(med['all_checks_ok']):6s}  "
+              f"{same_ids[name]}")
+    for key in ("first_text_ratio_chunked_over_layer_major", "layer_major_over_pcie_floor"):
+        if key in result:
+            print(f"{key}: {result[key]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The start-up memory check: whether one host's executor ranks fit the device (or, on the CPU, the host)
+with the weights, KV pool and state slots the flags ask for. Builds the model and pools on the meta device:
+nothing is allocated."""
+
+from __future__ import annotations
+
+import torch
+
+from ...config.model import ModelConfig
+from ...config.pools import pool_sizes
+from ...config.server_args import ArgsError, ServerArgs
+from ..loader import host_resident, resolve_dtype
+from ..models.qwen4_exp import Qwen4ExpForCausalLM
+from .kv_cache import KVPool
+from .state_slots import StatePool
+
+GiB = 1 << 30
+
+
+def memory_plan(args: ServerArgs, config: ModelConfig, device: str) -> dict[str, int]:
+    """Bytes each executor rank allocates for weights on the device, weights in host memory, the KV
+    pool and the state slots (the module tree and pools built on the meta device: nothing allocated)."""
+    sizes = pool_sizes(args, config)
+    dtype = resolve_dtype(args.dtype, config, device)
+    width = torch.empty((), dtype=dtype).element_size()
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config)
+    on_device = on_host = 0
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if args.ple_backend == "disk" and name.endswith("ngram_embedding.weight"):
+            continue
+        if host_resident(name, args.moe_strategy, args.ple_backend):
+            on_host += param.numel() * width
+        else:
+            on_device += param.numel() * width
+    kv = KVPool(config, 1, sizes.page_size, "meta", dtype).bytes_per_token() * sizes.num_pages * sizes.page_size
+    state = StatePool(config, 1, "meta", dtype).bytes_per_slot() * sizes.num_slots
+    # Under --tp the weights and KV heads split across the ranks (roughly evenly); state slots too.
+    return {"weights_device": on_device // args.tp, "weights_host": on_host // args.tp,
+            "kv": kv // args.tp, "state": state // args.tp}
+
+
+def host_memory_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
+    """Raise ``ArgsError`` naming the flag when the pools cannot hold one request, or when one host's
+    ranks need more memory than the device has (on the CPU: more than the host's total memory).
+    Host-resident weights of a GPU rank are not checked: some hosts grow their memory on demand."""
+    cuda = device.startswith("cuda")
+    if cuda:
+        if not torch.cuda.is_available():
+            raise ArgsError(f"--device: {device} asked for, but this torch build or host has no CUDA device "
+                            f"(torch {torch.__version__}); use --device cpu")
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise ArgsError(f"--device: {device} asked for, but only {torch.cuda.device_count()} CUDA device(s) "
+                            "are visible")
+        have, where, ranks = torch.cuda.get_device_properties(index).total_memory, f"{device} has", 1
+    else:
+        have, where = host_memory_total(), "the host has"
+        ranks = args.tp // args.nnodes  # every rank of this host shares its memory
+        if have is None:
+            return
+    plan = memory_plan(args, config, device)
+    weights = (plan["weights_device"] + (0 if cuda else plan["weights_host"])) * ranks
+    kv, state = plan["kv"] * ranks, plan["state"] * ranks
+    if weights > have:
+        raise ArgsError(f"--dtype: the weights alone need {weights / GiB:.1f} GiB in "
+                        f"{args.dtype if args.dtype != 'auto' else 'the default dtype'}; {where} {have / GiB:.1f} GiB "
+                        f"(a smaller --dtype, more --tp ranks, or --moe-strategy offload)")
+    if weights + kv + state > have:
+        flag = "--kv-pool-tokens" if kv >= state else "--state-slots"
+        raise ArgsError(f"{flag}: weights ({weights / GiB:.1f} GiB), KV pool ({kv / GiB:.1f} GiB) and state "
+                        f"slots ({state / GiB:.1f} GiB) need {(weights + kv + state) / GiB:.1f} GiB; {where} "
+                        f"{have / GiB:.1f} GiB (lower --kv-pool-tokens, --state-slots or --max-model-len)")

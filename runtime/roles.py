@@ -1,0 +1,77 @@
+"""Entry point of one mesh process: ``python -m tidal.runtime.roles ROLE [RANK]`` (how ``tidal serve``
+starts its processes; ``tidal run ROLE`` runs a role through :func:`run` too).
+
+The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` (or, with ``TIDAL_ARGS_ON_STDIN`` set, on stdin
+once the role's modules are imported: ``tidal serve`` starts its executors so while it checks the flags) and
+the checkpoint path in ``TIDAL_MODEL_PATH``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+
+from ..config.server_args import ServerArgs
+from .ipc import die_with_parent, set_process_name, setup_logging
+
+logger = logging.getLogger(__name__)
+
+
+# Each role's module and the function that runs it: ``fn(args, model_path)``, the executor's with its rank.
+ENTRY = {"frontend": ("tidal.frontend.server", "run_frontend"),
+         "scheduler": ("tidal.scheduler.process", "run_scheduler"),
+         "executor": ("tidal.executor.process", "run_executor"),
+         "detokenizer": ("tidal.detokenizer.process", "run_detokenizer")}
+ROLES = tuple(ENTRY)
+
+
+def member_name(role: str, rank: int) -> str:
+    return f"executor-{rank}" if role == "executor" else role
+
+
+def run(role: str, args: ServerArgs, model_path: str, rank: int = 0) -> None:
+    """Run ``role`` in this process until it returns (the frontend never returns on its own)."""
+    if role not in ENTRY:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+    module, name = ENTRY[role]
+    fn = getattr(importlib.import_module(module), name)
+    extra = (rank,) if role == "executor" else ()
+    fn(args, model_path, *extra)
+
+
+def main(argv: list[str]) -> int:
+    role = argv[0]
+    rank = int(argv[1]) if len(argv) > 1 else 0
+    name = member_name(role, rank)
+    set_process_name(f"tidal-{name}")
+    die_with_parent()
+    # `tidal serve` stops its processes itself: Ctrl-C in a terminal reaches the whole group, but only
+    # `serve` acts on it; SIGTERM (from `serve`) ends a role at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if role not in ROLES:
+        setup_logging("info", name)
+        logger.error("unknown role %r", role)
+        return 2
+    if os.environ.get("TIDAL_ARGS_ON_STDIN"):
+        # Started while `serve` checks the flags: import what the role runs meanwhile, then wait for the
+        # arguments; an empty stdin means `serve` refused to start (it said why).
+        importlib.import_module(ENTRY[role][0])
+        data = sys.stdin.buffer.read()
+        if not data:
+            return 0
+    else:
+        data = os.environ["TIDAL_SERVER_ARGS"].encode()
+    args = ServerArgs.from_json(data)
+    setup_logging(args.log_level, name)
+    from .supervisor import Member, run_role
+
+    run_role(role, rank, Member(name, args), os.environ["TIDAL_MODEL_PATH"])
+    return 1  # the member ends the process
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
