@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -57,7 +58,7 @@ async def list_models(session: aiohttp.ClientSession, base: str, required: bool 
     return data
 
 
-def request_body(model: str, prompt: list[int], max_tokens: int, logprobs: bool) -> dict[str, Any]:
+def request_body(model: str, prompt: str | list[int], max_tokens: int, logprobs: bool) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     if logprobs:
@@ -65,16 +66,18 @@ def request_body(model: str, prompt: list[int], max_tokens: int, logprobs: bool)
     return body
 
 
-async def stream_completion(session: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Send one streamed completion and read it to the end.
+async def stream_completion(session: aiohttp.ClientSession, base: str, body: dict[str, Any],
+                            on_first_text: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Send one streamed completion and read it to the end (``on_first_text`` is called as the first
+    non-empty text arrives).
 
     Returns the raw observations: ``status``, ``error``, ``id``, ``first_text_s``, ``full_s``,
-    ``text_event_s`` (offsets of the non-empty text events), ``finish_reason``, ``done`` (the last
-    event was ``[DONE]``), ``usage`` and ``logprob_tokens`` (tokens counted from ``logprobs``, when
-    asked).
+    ``text_event_s`` (offsets of the non-empty text events), ``text`` (choice 0's), ``finish_reason``,
+    ``done`` (the last event was ``[DONE]``), ``usage`` and ``logprob_tokens`` (tokens counted from
+    ``logprobs``, when asked).
     """
     out: dict[str, Any] = {"status": None, "error": None, "id": None, "first_text_s": None, "full_s": None,
-                           "text_event_s": [], "text_chars": 0, "finish_reason": None, "done": False,
+                           "text_event_s": [], "text_chars": 0, "text": "", "finish_reason": None, "done": False,
                            "usage": None, "logprob_tokens": 0 if body.get("logprobs") is not None else None}
     t0 = time.monotonic()
     try:
@@ -99,10 +102,40 @@ async def stream_completion(session: aiohttp.ClientSession, base: str, body: dic
                 except ValueError:
                     out["error"] = out["error"] or f"an SSE event is not JSON: {data[:120]!r}"
                     continue
+                first = out["first_text_s"]
                 _read_chunk(chunk, now, out)
+                if first is None and out["first_text_s"] is not None and on_first_text is not None:
+                    on_first_text()
     except (aiohttp.ClientError, TimeoutError) as e:
         out["error"] = out["error"] or f"{type(e).__name__}: {e}"
     out["full_s"] = time.monotonic() - t0
+    return out
+
+
+def stream_sync(url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 1800.0,
+                on_first_text: Callable[[], None] | None = None) -> dict[str, Any]:
+    """:func:`stream_completion` from synchronous code (a thread of its own each, for concurrency)."""
+    import asyncio
+
+    async def one() -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+            return await stream_completion(s, url, body, on_first_text)
+
+    return asyncio.run(one())
+
+
+def greedy_stream(url: str, prompt: str | list[int], max_tokens: int, model: str,
+                  on_first_text: Callable[[], None] | None = None) -> dict[str, Any]:
+    """One streamed greedy completion of exactly ``max_tokens`` tokens (``ignore_eos``) from synchronous
+    code: :func:`stream_completion`'s observations, ``rid`` (the tap's name for it) added; an
+    ``EndpointError`` when the server refused it."""
+    from .tap import tap_rid
+
+    out = stream_sync(url, request_body(model, prompt, max_tokens, logprobs=False), on_first_text=on_first_text)
+    if out["status"] != 200 or out["error"]:
+        raise EndpointError(f"{url}: {out['error'] or out['status']}")
+    out["rid"] = tap_rid(out["id"])
     return out
 
 
@@ -119,6 +152,8 @@ def _read_chunk(chunk: dict, now: float, out: dict[str, Any]) -> None:
         out["usage"] = chunk["usage"]
     for choice in chunk.get("choices") or []:
         text = choice.get("text") or ""
+        if text and choice.get("index", 0) == 0:
+            out["text"] += text
         if text:
             out["text_event_s"].append(now)
             out["text_chars"] += len(text)

@@ -12,12 +12,12 @@ HBM bandwidth measured in the same run (a device-to-device copy, bytes read + wr
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 
 import torch
 import torch.nn.functional as F
 
+from tidal.bench.timing import graph_seconds, measure_bandwidth
 from tidal.config.model import ModelConfig
 from tidal.executor.layers.linear import StackedWeight
 from tidal.executor.models.qwen4_exp import Qwen4ExpForCausalLM
@@ -57,51 +57,12 @@ def shapes(preset: str) -> dict[tuple[int, int], list[str]]:
     return out
 
 
-def per_call(fn) -> float:
-    """Seconds a call of ``fn`` takes, replayed from a graph of CALLS calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
-
-
-def bandwidth() -> float:
-    """A 2 GiB device-to-device copy launched from Python, as ``bench_forward.py`` measures it (captured in
-    a graph the copy becomes a copy-engine node, about 35% slower): bytes read + written, median of 10."""
-    a = torch.ones(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * a.numel() / statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--rows", default="1,8,32")
     ns = ap.parse_args()
-    bw = bandwidth()
+    bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     print(f"{'rows':>4} {'out':>6} {'in':>6} {'TN us':>7} {'NN us':>7} {'floor us':>8}  weights")
     for (n, k), names in sorted(shapes(ns.preset).items(), key=lambda item: -item[0][0] * item[0][1]):
@@ -110,8 +71,8 @@ def main() -> None:
         floor = n * k * 2 / bw
         for m in (int(r) for r in ns.rows.split(",")):
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            tn = per_call(lambda x=x, w=w: F.linear(x, w))
-            nn_ = per_call(lambda x=x, wt=wt: x @ wt)
+            tn = graph_seconds(lambda x=x, w=w: F.linear(x, w), calls=CALLS)
+            nn_ = graph_seconds(lambda x=x, wt=wt: x @ wt, calls=CALLS)
             print(f"{m:>4} {n:>6} {k:>6} {tn * 1e6:7.2f} {nn_ * 1e6:7.2f} {floor * 1e6:8.2f}  {', '.join(names)}",
                   flush=True)
 

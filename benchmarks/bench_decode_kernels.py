@@ -37,8 +37,8 @@ import pathlib
 
 import torch
 import torch.nn.functional as F
-from bench_forward import device_ms, measure_bandwidth  # this script's folder is first on sys.path
 
+from tidal.bench.timing import device_ms, graph_seconds, measure_bandwidth
 from tidal.kernels import hyper_connection as hc_k
 from tidal.kernels import moe as moe_k
 from tidal.kernels.gemv_triton import gemv_triton
@@ -63,28 +63,8 @@ CANDIDATES = [
 
 
 def graph_us(fn, replays: int = 200) -> float:
-    """Median-free mean of ``replays`` replays of ``fn`` captured in one CUDA graph, microseconds."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(10):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / replays)
-    return best
+    """Microseconds a call of ``fn`` takes, replayed from a CUDA graph ``replays`` times back to back."""
+    return graph_seconds(fn, calls=1, replays=replays, samples=3) * 1e6
 
 
 def grouped_moe(x, logits, gate_up, down, s_gate_up, s_down, s_gate):

@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import Server, stream_completion  # noqa: E402
-
-from tidal.executor.presets import write_checkpoint  # noqa: E402
+from tidal.bench.client import greedy_stream
+from tidal.bench.server import Server
+from tidal.executor.presets import write_checkpoint
 
 ARMS = {"graphs": [], "graphs-no-overlap": ["--disable-overlap-schedule"], "eager": ["--disable-cuda-graph"],
         "eager-no-overlap": ["--disable-cuda-graph", "--disable-overlap-schedule"]}
@@ -42,9 +40,9 @@ def sample(srv: Server, context: int, conc: int, tokens: int, seed: int) -> floa
     prompts = [prompt(context, seed * 1000 + i) for i in range(conc)]
     t0 = time.monotonic()
     with ThreadPoolExecutor(conc) as pool:
-        results = list(pool.map(lambda p: stream_completion(srv.url, p, tokens, model="bench"), prompts))
-    span = time.monotonic() - t0 - max(r[0] if r[0] is not None else r[1] for r in results)
-    assert all(r[2]["completion_tokens"] == tokens for r in results)
+        results = list(pool.map(lambda p: greedy_stream(srv.url, p, tokens, "bench"), prompts))
+    span = time.monotonic() - t0 - max(r["first_text_s"] or r["full_s"] for r in results)
+    assert all(r["usage"]["completion_tokens"] == tokens for r in results)
     return conc * (tokens - 1) / span
 
 
@@ -62,7 +60,7 @@ def main() -> None:
     concs = [int(x) for x in ns.concurrency.split(",")]
     contexts = [int(x) for x in ns.contexts.split(",")]
     per_request = max(contexts) + ns.tokens + 64
-    flags = ["--load-format", "random", "--served-model-name", "bench", "--max-model-len", str(per_request),
+    flags = ["--load-format", "random", "--max-model-len", str(per_request),
              "--kv-pool-tokens", str(max(concs) * per_request + 16384), "--max-running-requests", str(max(concs)),
              "--max-prefill-length", "8192"]
     arms = ns.arms.split(",")
@@ -70,8 +68,9 @@ def main() -> None:
     results = {"preset": ns.preset, "tokens": ns.tokens, "rows": []}
     try:
         for arm in arms:
-            servers[arm] = Server(path, *flags, *ARMS[arm], api_key=None, device="cuda", ready_timeout=600)
-            stream_completion(servers[arm].url, prompt(64, 1), 8, model="bench")  # warm-up
+            servers[arm] = Server(path, *flags, *ARMS[arm], served_model_name="bench", device="cuda",
+                                  ready_timeout=600)
+            greedy_stream(servers[arm].url, prompt(64, 1), 8, "bench")  # warm-up
         for context in contexts:
             for conc in concs:
                 for arm in arms:

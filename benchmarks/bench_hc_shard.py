@@ -23,15 +23,13 @@ import os
 import random
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import Server, stream_completion  # noqa: E402
-
-from tidal.executor.presets import write_checkpoint  # noqa: E402
+from tidal.bench.client import greedy_stream
+from tidal.bench.server import Server
+from tidal.executor.presets import write_checkpoint
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -40,7 +38,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def arm_flags(mode: str, coalesce: bool, tp: int, longest: int) -> list[str]:
-    flags = ["--tp", str(tp), "--hc-prefill-mode", mode, "--load-format", "random", "--served-model-name", "bench",
+    flags = ["--tp", str(tp), "--hc-prefill-mode", mode, "--load-format", "random",
              "--max-model-len", str(longest + 1024), "--kv-pool-tokens", str(2 * longest + 16384),
              "--max-prefill-length", "8192", "--max-running-requests", "8"]
     return flags + (["--prefill-coalesce"] if coalesce else [])
@@ -48,16 +46,16 @@ def arm_flags(mode: str, coalesce: bool, tp: int, longest: int) -> list[str]:
 
 def start_arm(path: str, mode: str, coalesce: bool, ns) -> Server:
     lengths = [int(x) for x in ns.lengths.split(",")]
-    srv = Server(path, *arm_flags(mode, coalesce, ns.tp, max(lengths)), api_key=None, device=ns.device,
+    srv = Server(path, *arm_flags(mode, coalesce, ns.tp, max(lengths)), served_model_name="bench", device=ns.device,
                  ready_timeout=1200)
-    stream_completion(srv.url, prompt(1024, 1), 4, model="bench")  # warm-up
+    greedy_stream(srv.url, prompt(1024, 1), 4, "bench")  # warm-up
     return srv
 
 
 def prefill_rate(srv: Server, n: int, seed: int) -> float:
-    first, full, usage, _ = stream_completion(srv.url, prompt(n, seed), 1, model="bench")
-    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-    return n / (first or full)  # a first token that decodes to no text: the response time
+    r = greedy_stream(srv.url, prompt(n, seed), 1, "bench")
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    return n / (r["first_text_s"] or r["full_s"])  # a first token that decodes to no text: the response time
 
 
 def decode_rates(srv: Server, label: str, ns) -> dict:
@@ -67,9 +65,9 @@ def decode_rates(srv: Server, label: str, ns) -> dict:
             prompts = [prompt(max(context, 16), 500 + i) for i in range(conc)]
             t0 = time.monotonic()
             with ThreadPoolExecutor(conc) as pool:
-                results = list(pool.map(lambda p: stream_completion(srv.url, p, 256, model="bench"), prompts))
+                results = list(pool.map(lambda p: greedy_stream(srv.url, p, 256, "bench"), prompts))
             # decode rate: generated tokens over the span after the slowest first token
-            span = time.monotonic() - t0 - max(r[0] for r in results)
+            span = time.monotonic() - t0 - max(r["first_text_s"] or r["full_s"] for r in results)
             out[f"c{conc}_ctx{context}"] = conc * 255 / span
             print(f"{label} decode c{conc} ctx {context}: {out[f'c{conc}_ctx{context}']:.1f} tok/s", flush=True)
     return out
@@ -90,7 +88,7 @@ def run_arms(path: str, arms: list[tuple[str, bool]], ns, save) -> list[dict]:
                 outs.append({"mode": mode, "coalesce": coalesce, "prefill": {}, "decode": {}})
             for n in lengths:
                 for srv in servers:
-                    stream_completion(srv.url, prompt(n, 2), 1, model="bench")  # first long shape: autotune
+                    greedy_stream(srv.url, prompt(n, 2), 1, "bench")  # first long shape: autotune
                 samples: list[list[float]] = [[] for _ in servers]
                 for r in range(ns.repeats):
                     for i, srv in enumerate(servers):

@@ -26,18 +26,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import Server, Tap  # noqa: E402
-
-from tidal.executor.presets import write_checkpoint  # noqa: E402
-from tidal.tokenizer import load_tokenizer  # noqa: E402
+from tidal.bench.client import greedy_stream
+from tidal.bench.server import Server
+from tidal.bench.tap import TapReader
+from tidal.bench.timing import h2d_bandwidth
+from tidal.executor.presets import write_checkpoint
+from tidal.tokenizer import load_tokenizer
 
 SHORT = "Arithmetic exercises: add two small integers and explain the answer.\n"
 PARAGRAPHS = [
@@ -61,59 +60,13 @@ def exact(tok, text: str, length: int) -> str:
     return out
 
 
-def h2d_bandwidth(device: str) -> float:
-    """Host-to-device bytes per second (pinned on a GPU): a 1 GiB copy, median of 5 after a warm-up."""
-    cuda = device.startswith("cuda")
-    size = 1 << 30
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-    dev = torch.empty_like(host, device=device)
-    times = []
-    for _ in range(6):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return size / statistics.median(times[1:])
-
-
-def stream(url: str, model: str, prompt: str | list[int], max_tokens: int, on_first=None) -> dict:
-    body = json.dumps({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    t0 = time.monotonic()
-    first, usage, rid, finish, done = None, None, None, None, False
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
-                done = True
-                continue
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            rid = chunk["id"].removeprefix("cmpl-")
-            usage = chunk.get("usage") or usage
-            for choice in chunk["choices"]:
-                finish = choice.get("finish_reason") or finish
-                if first is None and choice["text"]:
-                    first = time.monotonic() - t0
-                    if on_first is not None:
-                        on_first()
-    full = time.monotonic() - t0
-    return {"rid": rid, "first_text_s": first, "full_s": full, "usage": usage, "finish_reason": finish, "done": done,
-            "output_tok_per_s": (usage or {}).get("completion_tokens", 0) / full}
-
-
 def expert_bytes(srv: Server) -> float:
     m = srv.metrics()
     return sum(v for k, v in m.items() if k.startswith("tidal_expert_bytes_total"))
 
 
 def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
-    flags = ["--load-format", "random", "--served-model-name", "bench", "--max-prefill-length", str(ns.chunk),
+    flags = ["--load-format", "random", "--max-prefill-length", str(ns.chunk),
              "--ple-backend", "pinned", "--max-running-requests", "2", "--max-model-len", "98304",
              "--kv-pool-tokens", "98304", "--enable-cache-report", *ARM_FLAGS[arm]]
     if ns.coalesce:
@@ -121,21 +74,24 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
     if arm != "resident":
         flags += ["--moe-cache-slots", str(slots)]
     t0 = time.monotonic()
-    srv = Server(path, *flags, api_key=None, device=ns.device, ready_timeout=900)
+    srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=900)
     start_s = time.monotonic() - t0
-    tap = Tap(srv.tap_addr)
+    tap = TapReader(srv.tap_addr)
     out = {"arm": arm, "flags": flags, "start_s": start_s, "requests": []}
     try:
         for name, prompt in prompts["sequence"]:
             before = expert_bytes(srv)
             at_first: list[float] = []
-            r = stream(srv.url, "bench", prompt, ns.max_tokens,
-                       on_first=lambda seen=at_first: seen.append(expert_bytes(srv)))
-            admitted, token_ids, _ = tap.wait_finished(r["rid"])
-            r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=token_ids,
+            obs = greedy_stream(srv.url, prompt, ns.max_tokens, "bench",
+                                on_first_text=lambda seen=at_first: seen.append(expert_bytes(srv)))
+            rec = tap.wait(obs["rid"], timeout=60)
+            if rec is None:
+                raise RuntimeError(f"the tap never saw {obs['rid']} finish")
+            r = {k: obs[k] for k in ("rid", "first_text_s", "full_s", "usage", "finish_reason", "done")}
+            r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=rec.token_ids,
                      expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
-                     cached_tokens=admitted["cached_tokens"], prompt_tokens=admitted["prompt_tokens"],
-                     plan=admitted["plan"])
+                     output_tok_per_s=obs["usage"]["completion_tokens"] / obs["full_s"],
+                     cached_tokens=rec.cached_tokens, prompt_tokens=rec.prompt_tokens, plan=rec.plan)
             ok = r["done"] and r["finish_reason"] == "length" and r["usage"]["completion_tokens"] == ns.max_tokens
             r["checks_ok"] = bool(ok)
             out["requests"].append(r)

@@ -10,11 +10,10 @@ full time, cached tokens and whether the continuation's token ids agree across a
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from server_harness import Server, Tap, stream_completion  # noqa: E402
+from tidal.bench.client import greedy_stream
+from tidal.bench.server import Server
+from tidal.bench.tap import TapReader
 
 
 def main() -> None:
@@ -32,14 +31,16 @@ def main() -> None:
     arms = {"cache off": ["--disable-prefix-cache"], "align": [], "coalesce": ["--prefill-coalesce"]}
     rows, ids = [], {}
     for name, arm_flags in arms.items():
-        srv = Server(ns.model, *flags, *arm_flags, api_key=None)
-        tap = Tap(srv.tap_addr)
+        srv = Server(ns.model, *flags, *arm_flags)
+        tap = TapReader(srv.tap_addr)
         try:
-            stream_completion(srv.url, list(range(1, 65)), 4)  # warm-up
-            c_first, c_full, c_usage, _ = stream_completion(srv.url, cold, ns.max_tokens)
-            w_first, w_full, w_usage, rid = stream_completion(srv.url, cont, ns.max_tokens)
-            ids[name] = tap.wait_finished(rid)[1]
-            rows.append((name, c_first, w_first, w_full, w_usage["prompt_tokens_details"]["cached_tokens"]))
+            greedy_stream(srv.url, list(range(1, 65)), 4, srv.model_name)  # warm-up
+            cold_run = greedy_stream(srv.url, cold, ns.max_tokens, srv.model_name)
+            warm = greedy_stream(srv.url, cont, ns.max_tokens, srv.model_name)
+            rec = tap.wait(warm["rid"], timeout=60)
+            ids[name] = rec.token_ids if rec is not None else None
+            rows.append((name, cold_run["first_text_s"], warm["first_text_s"], warm["full_s"],
+                         warm["usage"]["prompt_tokens_details"]["cached_tokens"]))
         finally:
             tap.close()
             srv.stop()

@@ -155,6 +155,16 @@ class ModelConfig:
     def ple_eos_id(self) -> int:
         return self.eos_token_ids[0]
 
+    @property
+    def ngram_eos_id(self) -> int:
+        """The id an n-gram history is padded with: the EOS id where a PLE layer hashes n-grams, else 0."""
+        return self.ple_eos_id if self.ple_layer_ids else 0
+
+    @property
+    def qsa_ratio(self) -> int:
+        """Tokens per compressed QSA block, 0 without a QSA indexer."""
+        return self.indexer_compress_ratio if self.has_qsa else 0
+
     def ngram_vocab_sizes(self, ple_layer_index: int) -> list[int]:
         return list(ngram_head_vocab_sizes(self.ngram_vocab_size_base, ple_layer_index, self.ngram_heads))
 

@@ -58,8 +58,8 @@ class DecodeGraphs:
         self.page_size = kv.page_size
         self.max_pages = max_pages
         self.pad_slot, self.pad_page = pad_slot, pad_page
-        self.ratio = config.indexer_compress_ratio if config.has_qsa else 0
-        self.ngram_eos = config.ple_eos_id if config.ple_layer_ids else 0
+        self.ratio = config.qsa_ratio
+        self.ngram_eos = config.ngram_eos_id
         self.rotary = model.model.rotary if config.attention_layers else None
         long = dict(dtype=torch.long, device=device)
         # Rows: token id, position, slot, fresh. Host side pinned on CUDA (one async copy per step).
@@ -108,9 +108,16 @@ class DecodeGraphs:
 
     # -- eligibility and shapes ------------------------------------------------------------------
 
-    def fits(self, slots: list[int], positions: list[int]) -> bool:
-        """A decode batch of these rows can run from a graph."""
-        return (0 < len(slots) <= self.max_batch and not any(s in self.wide for s in slots)
+    def fits(self, slots: list[int], positions: list[int], tables: list[tuple[int, int]] | None = None) -> bool:
+        """A decode batch of these rows can run from a graph; ``tables``: each row's page-table delta not yet
+        applied (``page_base``, number of pages), as :meth:`pages` would take it."""
+        def wide(i: int, slot: int) -> bool:
+            if tables is None:
+                return slot in self.wide
+            base, count = tables[i]
+            return base + count > self.max_pages or (base > 0 and slot in self.wide)
+
+        return (0 < len(slots) <= self.max_batch and not any(wide(i, s) for i, s in enumerate(slots))
                 and max(positions) < self.max_pages * self.page_size)
 
     def _shape(self, positions: list[int]) -> tuple[int, int]:
@@ -247,14 +254,12 @@ class DecodeGraphs:
         if self.ratio:
             qsa = QSABlocks(ratio=self.ratio, new_rows=p["new_rows"], new_pos=p["new_pos"], key_rows=p["key_rows"],
                             max_blocks=blocks)
-        fb = self._assemble(b, p["ids"], self.inputs[1, :b], self.inputs[2, :b], p["fresh"], p["page_table"],
-                            p["kv_rows"], p["kv_lens"], p["ngram_context"], qsa)
-        if self.rotary:
-            fb.rope = (p["cos"], p["sin"])
-        return fb
+        return self._assemble(b, p["ids"], self.inputs[1, :b], self.inputs[2, :b], p["fresh"], p["page_table"],
+                              p["kv_rows"], p["kv_lens"], p["ngram_context"], qsa,
+                              rope=(p["cos"], p["sin"]) if self.rotary else None)
 
     def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, kv_lens, ngram_context,
-                  qsa) -> ForwardBatch:
+                  qsa, rope=None) -> ForwardBatch:
         group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
                          lengths=self._ones[:b], slots=slots, fresh=fresh, kv_lens=kv_lens, page_table=page_table)
         none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
@@ -264,5 +269,5 @@ class DecodeGraphs:
             input_ids=ids, positions=positions, segments=[], kv=self.kv, states=self.states,
             all=group, decode=group, prefill=none, kv_write_rows=kv_write_rows, row_segment=self._rows[:b],
             ngram_context=ngram_context, export_seg=self._empty, export_off=self._empty, export_dst=self._empty,
-            waves=[], qsa=qsa, decode_only=True,
+            waves=[], qsa=qsa, decode_only=True, rope=rope,
         )

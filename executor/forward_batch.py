@@ -121,7 +121,7 @@ class QSABlocks:
     max_blocks: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
@@ -245,11 +245,13 @@ def _qsa_blocks(new: torch.Tensor, max_blocks: int, page_table: torch.Tensor, pa
 
 def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPool | None, states: StatePool,
                         ngram_eos: int, device: torch.device, qsa_ratio: int = 0,
-                        ngram_context: torch.Tensor | None = None) -> ForwardBatch:
+                        ngram_context: torch.Tensor | None = None, decode_only: bool = False,
+                        ple_rows: dict[int, Callable[[], torch.Tensor]] | None = None) -> ForwardBatch:
     """Device metadata for ``segments`` (decodes first, then prefills; rows in that order).
 
     ``ngram_context`` overrides the segments' n-gram contexts (read from their slots otherwise): an
-    internal chunk of a layer-major prefill takes it from the ids before it.
+    internal chunk of a layer-major prefill takes it from the ids before it, and ``ple_rows`` its PLE
+    table rows gathered ahead. ``decode_only``: every row decodes a generated token.
     """
     device = torch.device(device)
     num_decodes = sum(1 for s in segments if s.length == 1)
@@ -297,5 +299,5 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
         ngram_context=ngram_context,
         export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
         waves=[Wave(**_resolved(w, views)) for w in waves],
-        qsa=qsa,
+        qsa=qsa, decode_only=decode_only, ple_rows=ple_rows or {},
     )

@@ -107,7 +107,7 @@ class BatchLoop:
                     self._answer(*pending)
                 return
             assert isinstance(msg, Batch)
-            if pending is not None and not self._can_follow(msg):
+            if pending is not None and not self.runner.can_follow(msg):
                 self._answer(*pending)
                 pending = None
             launched = self._launch(msg)
@@ -120,12 +120,6 @@ class BatchLoop:
                 self._answer(msg, launched)
             else:
                 pending = (msg, launched)
-
-    def _can_follow(self, batch: Batch) -> bool:
-        try:
-            return self.runner.can_follow(batch)
-        except Exception:  # a malformed batch: it fails alone when launched, after the one before is answered
-            return False
 
     def _launch(self, batch: Batch) -> Launched | BatchResult:
         try:

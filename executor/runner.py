@@ -13,7 +13,7 @@ import torch
 from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
-from ..runtime.faults import scripted_output
+from ..runtime.faults import SCRIPTED, scripted_output
 from ..scheduler.chunking import chunk_bounds
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
@@ -131,9 +131,9 @@ class ModelRunner:
         scripted outputs, one rank), so that nothing it reads waits on the host's copy of their ids."""
         if not self._graph_batch(batch) or not self._samples_on_device(batch.segments):
             return False
-        for spec in batch.segments:
-            self._table(spec)
-        return self.graphs.fits([s.slot for s in batch.segments], [s.start for s in batch.segments])
+        segs = batch.segments
+        return self.graphs.fits([s.slot for s in segs], [s.start for s in segs],
+                                [(s.page_base, len(s.pages)) for s in segs])
 
     @staticmethod
     def _samples_on_device(specs: list[SegmentSpec]) -> bool:
@@ -141,7 +141,7 @@ class ModelRunner:
         def plain(spec: SegmentSpec) -> bool:
             p = spec.sampling
             return ((p is None or (not p.needs_history and p.logprobs < 0))
-                    and scripted_output(spec.sample_index) is None)
+                    and not (SCRIPTED and scripted_output(spec.sample_index) is not None))
 
         return tp().size == 1 and all(map(plain, specs))
 
@@ -181,8 +181,8 @@ class ModelRunner:
         # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
         # of the j-th segment as the forward lays it out.
         order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
-        fb = self._forward_batch([specs[i] for i in order])
-        fb.decode_only = batch.mode != "layer_major" and all(is_decode(spec) for spec in specs)
+        fb = self._forward_batch([specs[i] for i in order],
+                                 decode_only=batch.mode != "layer_major" and all(is_decode(spec) for spec in specs))
         shift = 0  # rows of the segment before the returned streams' first row
         if batch.mode == "layer_major":
             if any(spec.want_logits for spec in specs):
@@ -289,10 +289,12 @@ class ModelRunner:
                                [specs[i].sample_index for i in sampled], counts)
             if tp().size > 1:  # every rank goes on with rank 0's tokens (the ones the scheduler sees)
                 ids = tp().broadcast(torch.tensor(ids, device=self.device)).tolist()
+            if SCRIPTED:  # the tests' scripted outputs replace what was sampled
+                ids = [tok if (s := scripted_output(specs[i].sample_index)) is None else s
+                       for i, tok in zip(sampled, ids, strict=True)]
             for i, tok in zip(sampled, ids, strict=True):
-                scripted = scripted_output(specs[i].sample_index)
-                out.token_ids[i] = tok if scripted is None else scripted
-                self.last_sampled[specs[i].slot] = out.token_ids[i]
+                out.token_ids[i] = tok
+                self.last_sampled[specs[i].slot] = tok
             self.counts.count(counts, [out.token_ids[i] for i in sampled])
             self.grammars.advance(matchers, [out.token_ids[i] for i in sampled])
             self._logprobs(out, rows, [specs[i] for i in sampled], sampled)
@@ -351,8 +353,8 @@ class ModelRunner:
         seg = outer.segments[0]
         width = self.states.ngram_context.shape[1]
         history = torch.cat([outer.ngram_context[0], outer.input_ids])  # context ids, then the tokens
-        eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
-        ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
+        eos = self.config.ngram_eos_id
+        ratio = self.config.qsa_ratio
         chunks, boundary_exports = [], []
         cuts = [b - seg.start for b in chunk_bounds(seg.start, seg.start + seg.length, chunk)]
         model = self.model.model
@@ -360,9 +362,10 @@ class ModelRunner:
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
                            exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
+            rows_ahead = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
             chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
-                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width]))
-            chunks[-1].ple_rows = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
+                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width],
+                                              ple_rows=rows_ahead))
             boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
         if self.expert_store is not None:  # every upload of the batch is issued: the layers' copies follow
             self.expert_store.start()
@@ -400,7 +403,7 @@ class ModelRunner:
                 ahead[layer.layer_idx] = RowsAhead(embedding.table, embedding.row_ids(outer), cuts, self._ple_worker)
         return ahead
 
-    def _forward_batch(self, specs) -> ForwardBatch:
+    def _forward_batch(self, specs, decode_only: bool = False) -> ForwardBatch:
         segments, ids = [], []
         row = 0
         for spec in specs:
@@ -413,9 +416,10 @@ class ModelRunner:
             row += n
         if self.graphs is not None:  # the device tables follow every batch, not only graph steps
             self.graphs.flush_pages()
-        eos = self.config.ple_eos_id if self.config.ple_layer_ids else 0
-        ratio = self.config.indexer_compress_ratio if self.config.has_qsa else 0
-        return build_forward_batch(segments, ids, self.kv, self.states, eos, self.device, qsa_ratio=ratio or 0)
+        eos = self.config.ngram_eos_id
+        ratio = self.config.qsa_ratio
+        return build_forward_batch(segments, ids, self.kv, self.states, eos, self.device, qsa_ratio=ratio,
+                                   decode_only=decode_only)
 
     def _table(self, spec: SegmentSpec) -> list[int]:
         """The slot's page table with this segment's delta applied (columns from ``page_base`` on)."""

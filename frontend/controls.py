@@ -8,7 +8,7 @@ import json
 import math
 from typing import Any
 
-from .protocol import bad
+from .errors import bad
 
 MAX_CHOICES = 16
 MAX_LOGIT_BIAS = 1024

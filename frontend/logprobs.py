@@ -11,7 +11,7 @@ import codecs
 from typing import Any
 
 from ..messages import TokenLogprob
-from .protocol import bad
+from .errors import bad
 
 MAX_LOGPROBS = 20
 

@@ -15,6 +15,10 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from .controls import parse_controls
+from .errors import APIError, bad
+from .logprobs import parse_logprobs
+
 # Fields accepted only at these neutral values.
 NEUTRAL = {
     "best_of": (1,),
@@ -45,21 +49,6 @@ NEUTRAL_MESSAGE_FIELDS = {"tool_calls", "function_call", "refusal", "audio", "to
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None, retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-        self.retry_after = retry_after  # seconds, sent as Retry-After (503 at capacity)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param)
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -124,7 +113,6 @@ class ParsedRequest:
     # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").
     parse_tool_calls: bool = False
     parallel_tool_calls: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _is_int(v: Any) -> bool:
@@ -360,8 +348,6 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     if not isinstance(echo, bool):
         raise bad("echo", f"'echo' must be a boolean, got {_show(echo)}")
     params = _sampling(body, limits)
-    from .controls import parse_controls
-    from .logprobs import parse_logprobs
 
     logprobs = parse_logprobs(body, chat=False)
     given = body.get("max_tokens")
@@ -600,8 +586,6 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     params = _sampling(body, limits)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.default_max_tokens or None,
                              len(ids), limits)
-    from .controls import parse_controls
-    from .logprobs import parse_logprobs
 
     return ParsedRequest(chat=True, prompt_ids=ids, max_tokens=max_tokens, logprobs=parse_logprobs(body, chat=True),
                          controls=parse_controls(body, limits.vocab_size, max_tokens),

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -26,11 +27,11 @@ from ..runtime.ipc import Push
 from ..tokenizer import load_tokenizer
 from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
+from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
 from .parsers import ChatOutput, thinking_closed
 from .protocol import (
-    APIError,
     Limits,
     ParsedRequest,
     chat_chunk,
@@ -43,6 +44,27 @@ from .protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    """One choice of a request (prompt p's choice i, its own request to the scheduler) as the handler
+    follows it. ``share``: with echo and log-probabilities, choice 0 of a prompt computes the prompt's
+    entries and hands them to the prompt's other choices through the future (``(is choice 0, future)``)."""
+
+    rid: str
+    prompt_ids: list[int]
+    queue: asyncio.Queue
+    share: tuple[bool, asyncio.Future] | None = None
+    first_at: float | None = None  # when the first token arrived
+    last_at: float = 0.0  # when the latest token arrived
+    ttft: float | None = None
+    finished: bool = False  # the request ended on the server
+
+    def hand_over(self, entries: list | None) -> None:
+        """Choice 0 gives its prompt's entries (``None``: it failed) to the other choices, once."""
+        if self.share is not None and self.share[0] and not self.share[1].done():
+            self.share[1].set_result(entries)
 
 
 def _json(data, status: int = 200) -> web.Response:
@@ -166,7 +188,7 @@ class Frontend:
         # choice 0 has computed the prompt (it finds the prompt in the prefix cache); with a seed,
         # choice index c samples with seed + c. Echo with logprobs (or with max_tokens 0) asks for
         # the prompt's log-probabilities: such a request computes its whole prompt. Choice 0 of a prompt
-        # does, and hands the entries to the prompt's other choices (``shares``), which then find the
+        # does, and hands the entries to the prompt's other choices (``Choice.share``), which then find the
         # prompt in the prefix cache like any choice i > 0.
         prompts = parsed.prompts or [parsed.prompt_ids]
         max_tokens = parsed.prompt_max_tokens or [parsed.max_tokens]
@@ -175,17 +197,14 @@ class Frontend:
                                 f"beside the requests in flight ({capacity} at most: --max-running-requests + "
                                 f"--max-queued-requests); retry shortly", type_="service_unavailable", retry_after=1)
         prompt_lp = max(parsed.logprobs, 0) if parsed.echo and (parsed.logprobs >= 0 or not max(max_tokens)) else -1
-        rids, prompt_of, queues, shares = [], [], [], []
+        choices: list[Choice] = []
         for p, ids in enumerate(prompts):
             base = rid if p == 0 else f"{rid}-{p}"
             entries = asyncio.get_running_loop().create_future() if prompt_lp >= 0 and max_tokens[p] else None
             for i in range(n):
                 choice_rid = base if i == 0 else f"{base}.{i}"
                 seed = None if parsed.seed is None else (parsed.seed + p * n + i + 2**63) % 2**64 - 2**63
-                rids.append(choice_rid)
-                prompt_of.append(ids)
-                shares.append(None if entries is None else (i == 0, entries))
-                queues.append(await self.client.submit(GenerateReq(
+                queue = await self.client.submit(GenerateReq(
                     rid=choice_rid, prompt_ids=ids, max_tokens=max_tokens[p],
                     sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
                                             seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
@@ -193,25 +212,22 @@ class Frontend:
                     stop_token_ids=parsed.controls["stop_token_ids"],
                     include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
                     after=None if i == 0 else base,
-                    prompt_logprobs=prompt_lp if i == 0 or entries is None else -1)))
-        # Per choice: "first": a token arrived; "finished": the request ended on the server.
-        states: list[dict] = [{} for _ in rids]
+                    prompt_logprobs=prompt_lp if i == 0 or entries is None else -1))
+                choices.append(Choice(choice_rid, ids, queue, None if entries is None else (i == 0, entries)))
         try:
             if parsed.stream:
-                return await self._stream(request, rids, parsed, queues, arrival, states, prompt_of, n, shares)
-            results = await asyncio.gather(*(
-                self._collect(r, parsed, q, arrival, st, ids, share)
-                for r, q, st, ids, share in zip(rids, queues, states, prompt_of, shares, strict=True)))
+                return await self._stream(request, choices, parsed, arrival, n)
+            results = await asyncio.gather(*(self._collect(c, parsed, arrival) for c in choices))
             return _json(self._merge(results, n))
         finally:
-            for choice_rid, state in zip(rids, states, strict=True):
-                if state.get("finished"):
-                    self.client.release(choice_rid)
+            for choice in choices:
+                if choice.finished:
+                    self.client.release(choice.rid)
                 else:  # client gone or handler failed: free everything the request holds
                     self.metrics.finished("abort", None)
-                    logger.info("request rid=%s finish_reason=abort e2e_s=%.4f (the client went away)", choice_rid,
+                    logger.info("request rid=%s finish_reason=abort e2e_s=%.4f (the client went away)", choice.rid,
                                 time.monotonic() - arrival)
-                    asyncio.get_running_loop().create_task(self.client.abort(choice_rid))
+                    asyncio.get_running_loop().create_task(self.client.abort(choice.rid))
 
     @staticmethod
     def _merge(results: list[dict], n: int) -> dict:
@@ -246,32 +262,31 @@ class Frontend:
             return parse_chat(body, self.limits, self.tokenizer, self.answers)
         return parse_completion(body, self.limits, self.tokenizer)
 
-    async def _next(self, queue: asyncio.Queue, state: dict, arrival: float) -> TextDelta:
-        delta: TextDelta = await queue.get()
+    async def _next(self, choice: Choice, arrival: float) -> TextDelta:
+        delta: TextDelta = await choice.queue.get()
         now = time.monotonic()
         if delta.token_ids:
-            if not state.get("first"):
-                state["first"] = True
-                state["ttft"] = now - arrival
+            if choice.first_at is None:
+                choice.first_at, choice.ttft = now, now - arrival
                 self.metrics.observe_ttft(now - arrival)
             else:
-                self.metrics.observe_tokens(now - state["last"], len(delta.token_ids))
-            state["last"] = now
+                self.metrics.observe_tokens(now - choice.last_at, len(delta.token_ids))
+            choice.last_at = now
         if delta.finished:
-            state["finished"] = True
+            choice.finished = True
             if delta.error_status != 400:  # a request refused at admission counts as rejected, once
                 self.metrics.finished(delta.finish_reason, delta.usage, now - arrival)
-            self._log_finished(delta, state, now - arrival)
+            self._log_finished(delta, choice.ttft, now - arrival)
         return delta
 
     @staticmethod
-    def _log_finished(delta: TextDelta, state: dict, seconds: float) -> None:
+    def _log_finished(delta: TextDelta, ttft: float | None, seconds: float) -> None:
         """One logfmt line per finished request (per choice), keyed by its request id."""
         u = delta.usage
         fields = {"rid": delta.rid, "finish_reason": delta.finish_reason or "error",
                   "prompt_tokens": u.prompt_tokens if u else None, "cached_tokens": u.cached_tokens if u else None,
                   "completion_tokens": u.completion_tokens if u else None,
-                  "ttft_s": f"{state['ttft']:.4f}" if "ttft" in state else None, "e2e_s": f"{seconds:.4f}"}
+                  "ttft_s": f"{ttft:.4f}" if ttft is not None else None, "e2e_s": f"{seconds:.4f}"}
         if delta.error:
             fields["error"] = json.dumps(delta.error[:200])
         logger.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items() if v is not None))
@@ -285,9 +300,14 @@ class Frontend:
                             retry_after=1)
         return APIError(500, delta.error or "the request failed", type_="server_error")
 
-    def _remember(self, parsed: ParsedRequest, text: str, ids: list[int], reason: str | None) -> None:
-        if parsed.chat and reason in ("stop", "length"):
+    def _ending(self, parsed: ParsedRequest, delta: TextDelta, parts: list[str], ids: list[int],
+                output: ChatOutput | None) -> tuple[str, str | None]:
+        """A choice that finished well: its text and finish reason as its parser (if any) gives them; a chat
+        answer is remembered so that a later conversation quoting it re-encodes to the same ids."""
+        text = output.content if output is not None else "".join(parts)
+        if parsed.chat and delta.finish_reason in ("stop", "length"):
             self.answers.remember(text, ids, self.tokenizer)
+        return text, output.finish_reason(delta.finish_reason) if output is not None else delta.finish_reason
 
     def _output(self, parsed: ParsedRequest) -> ChatOutput | None:
         """The parser of a chat answer's reasoning and tool calls (None: the text as generated)."""
@@ -318,23 +338,21 @@ class Frontend:
         return text, completion_logprobs(self.tokenizer, prompt_ids[:len(entries)], entries, 0)
 
     @staticmethod
-    async def _prompt_entries(share, own: list | None) -> list | None:
-        """Echo's prompt entries of a choice: its own, or those of its prompt's choice 0 (``share``)."""
-        if share is None:
+    async def _prompt_entries(choice: Choice, own: list | None) -> list | None:
+        """Echo's prompt entries of a choice: its own, or those of its prompt's choice 0."""
+        if choice.share is None:
             return own
-        owner, entries = share
+        owner, entries = choice.share
         if owner:
-            if not entries.done():
-                entries.set_result(own)
+            choice.hand_over(own)
             return own
         return await entries
 
-    async def _collect(self, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
-                       prompt_ids: list[int], share=None) -> dict:
+    async def _collect(self, choice: Choice, parsed: ParsedRequest, arrival: float) -> dict:
         parts, ids, entries, prompt_entries = [], [], [], None
         try:
             while True:
-                delta = await self._next(queue, state, arrival)
+                delta = await self._next(choice, arrival)
                 parts.append(delta.text)
                 ids += delta.token_ids
                 entries += delta.logprobs or []
@@ -343,19 +361,17 @@ class Frontend:
                 if delta.finished:
                     break
         finally:  # a choice 0 that failed still releases its prompt's other choices
-            if share is not None and share[0] and not share[1].done():
-                share[1].set_result(prompt_entries)
-        prompt_entries = await self._prompt_entries(share, prompt_entries)
+            choice.hand_over(prompt_entries)
+        prompt_entries = await self._prompt_entries(choice, prompt_entries)
         if delta.finish_reason == "error":
             raise self._failure(delta)
-        text, reason, output = "".join(parts), delta.finish_reason, self._output(parsed)
+        output = self._output(parsed)
         if output is not None:
             output.feed(ids, finished=True)
-            text, reason = output.content, output.finish_reason(reason)
-        self._remember(parsed, text, ids, delta.finish_reason)
-        usage = delta.usage or Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
-        echoed, echo_logprobs = self._echo(parsed, prompt_ids, prompt_entries) if parsed.echo else ("", None)
-        body = full_response(rid, int(time.time()), parsed.model, parsed.chat, echoed + text, reason, usage)
+        text, reason = self._ending(parsed, delta, parts, ids, output)
+        usage = delta.usage or Usage(prompt_tokens=len(choice.prompt_ids), completion_tokens=0)
+        echoed, echo_logprobs = self._echo(parsed, choice.prompt_ids, prompt_entries) if parsed.echo else ("", None)
+        body = full_response(choice.rid, int(time.time()), parsed.model, parsed.chat, echoed + text, reason, usage)
         if output is not None:
             body["choices"][0]["message"].update(output.message())
         logprobs = self._logprobs(parsed, ids, entries, len(echoed))
@@ -364,10 +380,10 @@ class Frontend:
         body["choices"][0]["logprobs"] = logprobs
         return body
 
-    async def _stream(self, request, rids: list[str], parsed: ParsedRequest, queues: list, arrival,
-                      states: list[dict], prompt_of: list[list[int]], n: int, shares: list) -> web.StreamResponse:
-        created, model = int(time.time()), parsed.model
-        first = await self._next(queues[0], states[0], arrival)
+    async def _stream(self, request, choices: list[Choice], parsed: ParsedRequest, arrival: float,
+                      n: int) -> web.StreamResponse:
+        created, model, rid = int(time.time()), parsed.model, choices[0].rid
+        first = await self._next(choices[0], arrival)
         # Errors before the first token (admission) still get a proper status and error body.
         if first.finished and first.finish_reason == "error" and not first.text:
             raise self._failure(first)
@@ -382,36 +398,34 @@ class Frontend:
                 await response.write(_sse(chunk))
 
         usages = await asyncio.gather(*(
-            self._stream_choice(write, i, rids[0], parsed, queues[i], arrival, states[i], created,
-                                first if i == 0 else None, prompt_of[i], shares[i])
-            for i in range(len(rids))))
+            self._stream_choice(write, i, rid, parsed, choice, arrival, created, first if i == 0 else None)
+            for i, choice in enumerate(choices)))
         if parsed.include_usage and any(u is not None for u in usages):  # the choices that ran
             firsts = [u for u in usages[::n] if u is not None]
             usage = Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
                           completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
                           cached_tokens=sum(u.cached_tokens for u in firsts))
-            await response.write(_sse(usage_chunk(rids[0], created, model, parsed.chat, usage)))
+            await response.write(_sse(usage_chunk(rid, created, model, parsed.chat, usage)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _stream_choice(self, write, index: int, rid: str, parsed: ParsedRequest, queue, arrival, state: dict,
-                             created: int, delta: TextDelta | None, prompt_ids: list[int], share=None) -> Usage | None:
-        """One choice's chunks (``index``); its usage, or ``None`` when it failed."""
+    async def _stream_choice(self, write, index: int, rid: str, parsed: ParsedRequest, choice: Choice,
+                             arrival: float, created: int, delta: TextDelta | None) -> Usage | None:
+        """One choice's chunks (``index``; ids ``rid``, the request's); its usage, or ``None`` when it failed."""
         model = parsed.model
         try:
             if delta is None:
-                delta = await self._next(queue, state, arrival)
+                delta = await self._next(choice, arrival)
         finally:  # choice 0's first message carries its prompt's entries (or its error)
-            if share is not None and share[0] and not share[1].done():
-                share[1].set_result(delta.prompt_logprobs if delta is not None else None)
+            choice.hand_over(delta.prompt_logprobs if delta is not None else None)
         if parsed.chat:
             await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index)
         parts, ids = [], []
         pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
         if parsed.echo:  # the prompt first (its log-probabilities arrive before any output token)
-            prompt_entries = await self._prompt_entries(share, delta.prompt_logprobs)
-            echoed, echo_logprobs = self._echo(parsed, prompt_ids, prompt_entries)
+            prompt_entries = await self._prompt_entries(choice, delta.prompt_logprobs)
+            echoed, echo_logprobs = self._echo(parsed, choice.prompt_ids, prompt_entries)
             chunk = completion_chunk(rid, created, model, echoed, None)
             chunk["choices"][0]["logprobs"] = echo_logprobs
             sent = len(echoed)
@@ -437,14 +451,13 @@ class Frontend:
                 await write(chunk, index)
             if delta.finished:
                 break
-            delta = await self._next(queue, state, arrival)
+            delta = await self._next(choice, arrival)
         if delta.finish_reason == "error":  # an error event naming the choice
             body = self._failure(delta).body()
             body["error"]["index"] = index
             await write(body, index)
             return None
-        self._remember(parsed, output.content if output else "".join(parts), ids, delta.finish_reason)
-        reason = output.finish_reason(delta.finish_reason) if output else delta.finish_reason
+        _, reason = self._ending(parsed, delta, parts, ids, output)
         final = chat_chunk(rid, created, model, {}, reason) if parsed.chat \
             else completion_chunk(rid, created, model, "", delta.finish_reason)
         if pending_entries:

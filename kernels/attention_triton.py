@@ -32,7 +32,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 # Padded head dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill tile kernel for 16-bit
-# inputs. D=256 from a sweep on the H200 (docs/device/tune_attention_1.log, 32K causal): 128x64,
+# inputs. D=256 from a sweep on the H200 (tools/tune_attention.py, 32K causal): 128x64,
 # 8 warps, 2 stages ran at 442 TFLOP/s, twice the 64x64 tile.
 _TILE_CONFIGS_16BIT: dict[int, tuple[int, int, int, int]] = {
     16: (128, 64, 4, 3),
@@ -62,7 +62,7 @@ _MAX_SPLITS = 32
 # masked out, at tensor-core rate (a dense 32K causal layer, D=256: 19.9 ms, 442 TFLOP/s); the rows past it
 # in the row kernel, whose gathers of the selected blocks cost the same at any position (32K rows, top-32
 # blocks of 64: 25.5 ms). A row's dense cost grows with its position and reaches its gather cost near 22K
-# keys (docs/device/tune_attention_1.log).
+# keys (tools/tune_attention.py).
 QSA_TILE_BELOW = 20480
 # At most this many blocks below the split (the block mask is one byte per block and row): with small QSA
 # blocks the split comes earlier (the mask of a 32K-row batch stays under 64 MiB).

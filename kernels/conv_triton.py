@@ -114,7 +114,7 @@ def _as_bytes(flags: torch.Tensor) -> torch.Tensor:
 
 
 # (BLOCK_T, BLOCK_C, num_warps) of the prefill kernel. From tools/tune_conv.py on the H200 (a GDN layer's
-# three calls at 32K, docs/device/2026-11-30c/call4/tune_conv.log): 603 us with 8 warps, 636 us with 4;
+# three calls at 32K): 603 us with 8 warps, 636 us with 4;
 # wider tiles spill registers (up to 20x slower).
 VARLEN_CONFIG: tuple[int, int, int] = (64, 128, 8)
 # The largest l2_group (a power of two) the prefill kernel normalises in its epilogue.

@@ -104,7 +104,7 @@ def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 # Warps of a step program. At the bench shapes (a 128 x 128 head) with tools/tune_gdn_step.py, at 1 / 8 / 32
 # requests: 4.50 / 8.96 / 47.19 us, against 5.52 / 13.07 / 62.72 with 8 and 8.02 / 17.52 / 76.65 with 16, and
-# 6.61 / 12.11 / 46.90 for the three launches it replaces (docs/device/2026-12-01b/call5/).
+# 6.61 / 12.11 / 46.90 for the three launches it replaces.
 STEP_WARPS = 4
 
 

@@ -119,11 +119,11 @@ def _hc_norm_down_kernel(h_ptr, b_ptr, l_ptr, nw_ptr, wd_ptr, new_ptr, normed_pt
     tl.store(y_ptr + rows[:, None] * stride_y + n[None, :], acc.to(dt), mask=(rows < ROWS)[:, None] & nmask[None, :])
 
 
-# (block_n, num_warps) of hc_norm_down_triton. Alone at the bench shapes (hc 4 x 2048, 324 output rows; scripts/
-# bench_decode_kernels.py --parts hc, docs/device/2026-12-01b/call7/) 4 weight rows a program were faster at
+# (block_n, num_warps) of hc_norm_down_triton. Alone at the bench shapes (hc 4 x 2048, 324 output rows;
+# benchmarks/bench_decode_kernels.py --parts hc) 4 weight rows a program were faster at
 # 1 / 2 / 4 rows (3.08 / 4.87 / 8.03 us, against 3.52 / 7.91 / 14.78 with 2), but inside the decode graph,
 # its weights loading while the kernel before it runs, 2 rows gave the faster step: batch 1's graph 0.870 ms
-# (call6/) against 0.883 ms with 4 (call8/).
+# against 0.883 ms with 4.
 NORM_DOWN_CONFIG = (2, 8)
 
 

@@ -17,7 +17,7 @@ from .backend import use_triton
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 # On CUDA, bf16 batches of at most this many (token, expert) assignments take the Triton kernel. Measured
-# on the H200 at the bench shapes (docs/device/bench_forward_1.log): at 8 tokens the Triton kernel took
+# on the H200 at the bench shapes (benchmarks/bench_forward.py --kernels): at 8 tokens the Triton kernel took
 # 0.95 ms against 0.21 ms for torch's grouped GEMMs, at 32K 7.1 against 4.6 ms, so bf16 always takes the
 # grouped GEMM until the Triton kernel's decode tiles are tuned; Triton serves fp32 and fp16.
 TRITON_MAX_ASSIGNMENTS = 0
@@ -27,7 +27,7 @@ TRITON_MAX_ASSIGNMENTS = 0
 # assignment streams its expert's weights once, sums in fp32 and rounds once); larger forwards, and every
 # forward with a prompt row, take the grouped GEMM. So a prompt's rows compute alike however it is
 # chunked or cached; a decode row's rounding depends on whether its forward was decode-only. Measured on
-# the H200 at the bench shapes (benchmarks/bench_decode_kernels.py, docs/device/2026-11-29e/call2/): the
+# the H200 at the bench shapes (benchmarks/bench_decode_kernels.py --parts moe): the
 # GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us
 # for the grouped path (router and shared expert included).
 GEMV_MAX_TOKENS = 64

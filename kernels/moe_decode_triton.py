@@ -19,7 +19,7 @@ Here a layer's MoE after the router GEMM is four launches:
    an fp32 part per assignment (the shared expert's times ``sigmoid(x . shared_gate)``). One program
    per assignment keeps every expert's read in flight at once: a program that walked a token's ten
    experts in turn waited for ten dependent HBM round trips (17.5 us a layer at one token, against
-   14.7 us for ``gate_up``'s twice as many bytes; docs/device/2026-11-29e/call6/profile_kernels.log).
+   14.7 us for ``gate_up``'s twice as many bytes; tools/profile_decode.py --kernel-table).
 4. ``_combine_kernel``, grid ``(T, cdiv(H, 512))``: the routing-weighted sum of a token's parts in
    expert order, plus the shared part; fp32 and one rounding at the end. Deterministic: no atomics.
 
@@ -103,10 +103,9 @@ class GemvConfig:
 # shapes (hidden 2048, intermediate 512, top-10 + shared) with benchmarks/bench_decode_kernels.py: gate_up
 # up to 8 tokens 2 columns a program over the whole 2,048-wide reduction in one tile (its loads all in
 # flight at once): 28.6 / 45.2 / 132.7 us for the layer's MoE at 1 / 2 / 8 tokens, against 30.2 / 47.0 /
-# 139.5 with 8 columns and 512-wide tiles (docs/device/2026-11-30i/call4/), which larger batches keep
-# (docs/device/2026-11-29e/call2/, measured from 1 to 64 tokens); the per-assignment down kernel 32 columns
-# at 1, 8, 32 and 64 tokens (33.1 / 139.5 / 447.5 / 845.4 us, against 34.1 / 157.4 / 519.0 / 946.0 with
-# 16; docs/device/2026-11-29f/call5/).
+# 139.5 with 8 columns and 512-wide tiles, which larger batches keep (measured from 1 to 64 tokens); the
+# per-assignment down kernel 32 columns at 1, 8, 32 and 64 tokens (33.1 / 139.5 / 447.5 / 845.4 us, against
+# 34.1 / 157.4 / 519.0 / 946.0 with 16).
 CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
     (8, GemvConfig(2, 2048, 4), GemvConfig(32, 512, 4)),
     (1 << 62, GemvConfig(8, 512, 4), GemvConfig(32, 512, 4)),

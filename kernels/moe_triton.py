@@ -284,7 +284,7 @@ def fused_experts_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
 
 # The gate_up pass of the grouped path (:func:`sorted_gate_up`): (block_m, config) for every row count, so
 # a row's arithmetic (the K order of its dot products) never depends on how many rows share its forward.
-# From tools/tune_moe.py on the H200 at 32K tokens (docs/device/2026-11-30c/call2, call4): 2,997-3,016 us
+# From tools/tune_moe.py on the H200 at 32K tokens: 2,997-3,016 us
 # with weight tiles by tensor descriptor, 3,061-3,073 us by pointer, against 3,196-3,433 us for the
 # gathered copy, torch's grouped GEMM and the SiLU-gate pass it replaces. (Four stages do not fit the
 # shared-memory budget at this tile; ``_fit`` runs them as three.)

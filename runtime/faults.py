@@ -37,6 +37,7 @@ def _parse(spec: str) -> dict[str, int]:
 
 _POINTS = _parse(os.environ.get("TIDAL_FAULTS", ""))
 _SCRIPT = [int(x) for x in os.environ.get("TIDAL_SCRIPTED_OUTPUT", "").split(",") if x.strip()]
+SCRIPTED = bool(_SCRIPT)  # checked once per batch: unset, sampling never looks further
 
 
 def scripted_output(index: int) -> int | None:

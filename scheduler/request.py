@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
 import msgspec
 
 from ..messages import AbortReason, GenerateReq, SamplingParams
+
+# The fields that describe one admission, reset when a preempted request goes back to waiting.
+ADMISSION = ("slot", "pages", "pages_sent", "page_keys", "history_sent", "chunks", "next_chunk", "num_computed",
+             "copies", "layer_major", "match_keys")
 
 
 class Status(enum.Enum):
@@ -22,7 +27,6 @@ class Request:
     prompt: list[int]
     max_tokens: int
     sampling: SamplingParams
-    ignore_eos: bool = False
     stop_token_ids: frozenset[int] = frozenset()
     # Offline scoring: return logits of every prompt row, sample nothing.
     want_logits: bool = False
@@ -75,7 +79,7 @@ class Request:
         if sampling.min_tokens > 0:  # what min_tokens holds back: whatever would end the request
             sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(stops))
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=sampling,
-                   ignore_eos=msg.ignore_eos, stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids),
+                   stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids),
                    after=msg.after, prompt_logprobs=msg.prompt_logprobs)
 
     @property
@@ -90,6 +94,21 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.next_chunk >= len(self.chunks)
+
+    def ends_by_length(self, outputs: int, max_model_len: int) -> bool:
+        """Whether the request is over by length once it holds ``outputs`` generated tokens."""
+        return outputs >= self.max_tokens or self.prompt_len + outputs >= max_model_len
+
+    def requeue(self) -> None:
+        """Back to waiting after a preemption: what one admission held (slot, pages, plan, computed state)
+        starts afresh, and the prefill recomputes the prompt and every output token but the last (whose
+        forward is the next decode)."""
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for name in ADMISSION:
+            f = defaults[name]
+            setattr(self, name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        self.status = Status.WAITING
+        self.prefill_len = self.prompt_len + max(len(self.output) - 1, 0)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output, without copying the rest."""

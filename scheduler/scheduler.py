@@ -149,7 +149,7 @@ class Scheduler:
                 break
             exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
             last = end == req.prefill_len
-            if last and self.cache is not None and end % self.args.checkpoint_align == 0 and not req.want_logits:
+            if last and self._checkpoints_at(end) and not req.want_logits:
                 slot = self._rolling_slot(req)
                 if slot is not None:
                     exports.append([end - start, slot])
@@ -193,7 +193,7 @@ class Scheduler:
         start = req.num_computed
         exports = []
         # Keep an end-of-request checkpoint at the last aligned position the decode passes.
-        if self.cache is not None and (start + 1) % self.args.checkpoint_align == 0:
+        if self._checkpoints_at(start + 1):
             slot = self._rolling_slot(req)
             if slot is not None:
                 exports.append([1, slot])
@@ -211,10 +211,10 @@ class Scheduler:
         request published, in pages and a slot that whoever gets them next overwrites before reading."""
         start = pending.start + len(pending.token_ids)
         produced = len(req.output) + 1  # after pending's token
-        if (req.abort_reason is not None or req.want_logits or produced >= req.max_tokens
-                or req.prompt_len + produced >= self.sizes.max_model_len):
+        if (req.abort_reason is not None or req.want_logits
+                or req.ends_by_length(produced, self.sizes.max_model_len)):
             return None
-        if self.cache is not None and (start + 1) % self.args.checkpoint_align == 0:
+        if self._checkpoints_at(start + 1):
             return None
         if not self._ensure_pages(req, start + 1, preempt=False):
             return None
@@ -238,13 +238,28 @@ class Scheduler:
         req.pages_sent = len(req.pages)
         return base, req.pages[base:]
 
+    def _checkpoints_at(self, pos: int) -> bool:
+        """A forward ending at ``pos`` keeps the request's end-of-request checkpoint there."""
+        return self.cache is not None and pos % self.args.checkpoint_align == 0
+
     # ---- memory on demand ---------------------------------------------------------------------
+    def _alloc_pages(self, count: int) -> list[int] | None:
+        """``count`` free KV pages (evicting cached ones if need be), or ``None``."""
+        return self.cache.alloc_pages(count) if self.cache is not None else self.pages.alloc(count)
+
+    def _release_pages(self, pages: list[int]) -> None:
+        """A request lets go of its pages (those the prefix cache indexed stay cached)."""
+        if self.cache is not None:
+            self.cache.release_pages(pages)
+        else:
+            self.pages.decref(pages)
+
     def _ensure_pages(self, req: Request, positions: int, preempt: bool = True) -> bool:
         """Give ``req`` pages for ``positions``; under pressure (with ``preempt``) preempt the newest
         running request (``req`` itself if it is the newest). ``False`` when ``req`` cannot run this turn."""
         need = self._pages_for(positions) - len(req.pages)
         while need > 0:
-            new = self.cache.alloc_pages(need) if self.cache is not None else self.pages.alloc(need)
+            new = self._alloc_pages(need)
             if new is not None:
                 req.pages += new
                 return True
@@ -264,18 +279,11 @@ class Scheduler:
         checkpoint stay in the prefix cache, so resuming recomputes only what no checkpoint covers."""
         if self.cache is not None:
             self._release_cache_state(req, publish=True)
-            self.cache.release_pages(req.pages)
-        else:
-            self.pages.decref(req.pages)
+        self._release_pages(req.pages)
         if req.slot is not None:
             self.slots.free(req.slot)
         self.running.pop(req.rid)
-        req.status = Status.WAITING
-        req.slot, req.pages, req.pages_sent, req.page_keys, req.history_sent = None, [], 0, [], False
-        req.chunks, req.next_chunk, req.num_computed, req.copies = [], 0, 0, []
-        req.layer_major = False
-        req.prefill_len = req.prompt_len + max(len(req.output) - 1, 0)
-        req.match_keys = None
+        req.requeue()
         self.counters["preemptions"] += 1
         self.waiting.appendleft(req)
         logger.info("preempted %s at %d tokens (%d output); it resumes when pages free up", req.rid,
@@ -334,7 +342,7 @@ class Scheduler:
             reason = None
             if tok in req.stop_token_ids:
                 reason = "stop"
-            elif len(req.output) >= req.max_tokens or req.prompt_len + len(req.output) >= self.sizes.max_model_len:
+            elif req.ends_by_length(len(req.output), self.sizes.max_model_len):
                 reason = "length"
             lp = logprobs.get(index) if logprobs else None
             if reason is None:
@@ -419,7 +427,7 @@ class Scheduler:
         need = self._pages_for(req.prefill_len)  # decoding takes its pages as it goes
         if self.cache is None or req.full_prompt:
             # Scoring matches nothing (it needs every row's logits) but evicts cached pages like anyone.
-            pages = self.pages.alloc(need) if self.cache is None else self.cache.alloc_pages(need)
+            pages = self._alloc_pages(need)
             if pages is None:
                 return False
             req.pages = pages
@@ -476,10 +484,7 @@ class Scheduler:
             self.slots.free(req.slot)
             req.slot = None
         if req.pages:
-            if self.cache is not None:
-                self.cache.release_pages(req.pages)
-            else:
-                self.pages.decref(req.pages)
+            self._release_pages(req.pages)
             req.pages = []
         self.running.pop(req.rid, None)
         self.requests.pop(req.rid, None)

@@ -1,4 +1,5 @@
-"""The device measurement scripts run end to end on the CPU with the tiny preset, so they cannot rot.
+"""The measurement scripts (``benchmarks/``) and profiling tools (``tools/``) run end to end on the CPU with
+the tiny preset, so they cannot rot.
 
 The numbers are CPU numbers and the numerics gates may pass or fail here; what is checked is that every
 section ran, wrote its fields with sane values, and that the FLOP model agrees with a hand count.
@@ -14,11 +15,16 @@ import sys
 
 from tidal.executor.presets import preset_config
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS, TOOLS = os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "tools")
+
+
+def script(name: str) -> str:
+    return os.path.join(TOOLS if name.startswith(("profile_", "tune_")) else BENCHMARKS, name)
 
 
 def run_script(name: str, *args: str, ok_codes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, name), *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script(name), *args], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TIKTOKEN_CACHE_DIR": ""})
     assert proc.returncode in ok_codes, (
         f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -104,7 +110,7 @@ def test_bench_layer_major_runs_on_cpu(tmp_path):
     """The layer-major benchmark end to end on the tiny preset (three arms, the seed's request
     sequence at small lengths): every request passes its checks and all arms give the same ids."""
     out = tmp_path / "lm"
-    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_layer_major.py"), "--out", str(out),
+    proc = subprocess.run([sys.executable, script("bench_layer_major.py"), "--out", str(out),
                            "--preset", "tiny", "--device", "cpu", "--cold", "600", "--continuation", "665",
                            "--chunk", "128", "--max-tokens", "4", "--cache-fraction", "0.2"],
                           capture_output=True, text=True, timeout=600)
@@ -129,8 +135,18 @@ def test_profile_layer_major_runs_on_cpu(tmp_path):
     data = json.loads((tmp_path / "profile_layer_major.json").read_text())
     arms = data["arms"]
     assert set(arms) == {"layer_major", "chunked"}
-    assert arms["chunked"]["bytes"] > arms["layer_major"]["bytes"] > 0
-    assert data["chunked_over_layer_major"] == arms["chunked"]["wall_s"] / arms["layer_major"]["wall_s"]
+    # Counted from the preset: layer-major streams every routed expert once (fp32 gate, up and down);
+    # chunked streams each layer again for each of the prompt's forwards of 128 tokens (the cache holds
+    # fewer experts than a layer has).
+    from tidal.scheduler.chunking import chunk_bounds
+
+    raw = preset_config("tiny")
+    expert = 3 * raw["hidden_size"] * raw["moe_intermediate_size"] * 4
+    every_expert = raw["num_hidden_layers"] * raw["num_experts"] * expert
+    forwards = len(chunk_bounds(0, 700, 128)) - 1
+    assert data["slots"] < raw["num_experts"] and forwards == 6
+    assert arms["layer_major"]["bytes"] == every_expert
+    assert arms["chunked"]["bytes"] == forwards * every_expert
 
 
 def test_profile_decode_runs_on_cpu(tmp_path):
@@ -142,8 +158,9 @@ def test_profile_decode_runs_on_cpu(tmp_path):
     assert [(r["cuda_graph"], r["batch"], r["context"]) for r in rows] == \
         [(False, 1, 16), (False, 2, 16), (False, 1, 40), (False, 2, 40)]
     for r in rows:
-        assert r["steps"] == 3 and r["tok_per_s"] > 0
-        assert math.isclose(r["gpu_busy_ms_per_step"] + r["gpu_idle_ms_per_step"], r["wall_ms_per_step"])
+        assert r["steps"] == 3 and r["tok_per_s"] > 0 and r["wall_ms_per_step"] > 0
+        # No CUDA device: the profiler saw no device kernel, so the GPU counts as busy for none of the step.
+        assert r["kernels_per_step"] == 0 and r["gpu_busy_ms_per_step"] == 0
 
 
 def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monkeypatch):
@@ -157,7 +174,7 @@ def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monke
     from tidal import LLM
     from tidal.config.model import ModelConfig
 
-    spec = importlib.util.spec_from_file_location("bench_forward", os.path.join(SCRIPTS, "bench_forward.py"))
+    spec = importlib.util.spec_from_file_location("bench_forward", script("bench_forward.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
@@ -176,7 +193,7 @@ def test_bench_decode_gemm_lists_the_weights_a_decode_step_multiplies_by(monkeyp
     (their parts not again on their own), the rest alone; no experts, embeddings or lm_head."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_decode_gemm", os.path.join(SCRIPTS, "bench_decode_gemm.py"))
+    spec = importlib.util.spec_from_file_location("bench_decode_gemm", script("bench_decode_gemm.py"))
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, bench)
     spec.loader.exec_module(bench)

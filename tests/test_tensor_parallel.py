@@ -1,4 +1,5 @@
-"""Tensor parallelism on the CPU (gloo): TP = 2 and 4 against TP = 1, in float32.
+"""Tensor parallelism: TP = 2 and 4 against TP = 1, in float32, on the CPU (gloo) or, with
+``TIDAL_TEST_DEVICE=cuda``, on one GPU per rank (NCCL; a test needing more GPUs than there are skips).
 
 Every rank runs the same offline ``LLM`` (scheduler and runner) in lockstep, which is how the
 executors see the same batches; rank 0 reports. The config has 2 KV heads (replicated at TP 4) and
@@ -16,6 +17,10 @@ import torch.multiprocessing as mp
 
 from tidal import LLM
 
+DEVICE = os.environ.get("TIDAL_TEST_DEVICE", "cpu")
+CUDA = DEVICE.startswith("cuda")
+# The single-rank references run where the ranks run, in float32.
+ONE = dict(device=DEVICE, dtype="float32") if CUDA else {}
 TP_CONFIG = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
 PROMPT_LEN = 160
 SHARD_LEN = 1024  # the smallest batch hyper-connection sharding takes
@@ -48,14 +53,23 @@ def _prefix_run(llm: LLM) -> tuple[list[int], list[int], list[int]]:
     return cold, warm, admitted
 
 
+def needs_devices(size: int) -> None:
+    if CUDA and torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} CUDA devices, {torch.cuda.device_count()} visible")
+
+
 def _rank_main(rank: int, size: int, port: int, path: str, variants: list[dict], queue, length: int) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
-    init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo")
+    if CUDA:  # exact float32 (no TF32), one GPU per rank
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        torch.cuda.set_device(rank)
+    init_tp(rank, size, f"tcp://127.0.0.1:{port}", "nccl" if CUDA else "gloo")
+    where = dict(device=f"cuda:{rank}", dtype="float32") if CUDA else {}
     try:
         results = []
-        for kwargs in variants:  # one LLM after another in the same rank processes
+        for kwargs in ({**where, **v} for v in variants):  # one LLM after another in the same rank processes
             if length == 0:  # the prefix-cache scenario
                 results.append(_prefix_run(LLM(path, tp=size, **kwargs)))
                 continue
@@ -76,6 +90,7 @@ def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> 
     """For each ``LLM`` keyword set in ``variants``, run in turn by one set of ``size`` rank processes:
     ``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0 (with
     ``length`` 0, what :func:`_prefix_run` returns)."""
+    needs_devices(size)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -108,7 +123,7 @@ def tp_checkpoint(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def single(tp_checkpoint):
-    llm = LLM(tp_checkpoint, max_prefill_length=SHARD_LEN)
+    llm = LLM(tp_checkpoint, max_prefill_length=SHARD_LEN, **ONE)
     prompt = _prompt(SHARD_LEN)
     return llm.score(prompt), llm.generate([prompt], max_tokens=32, ignore_eos=True)[0]
 
@@ -138,7 +153,7 @@ def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size):
 
 def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint):
     """160 rows (under 1024) never shard; ids still equal one rank's."""
-    llm = LLM(tp_checkpoint, max_prefill_length=64)
+    llm = LLM(tp_checkpoint, max_prefill_length=64, **ONE)
     ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
     logits, ids, stats = run_tp(tp_checkpoint, 2, max_prefill_length=64, hc_prefill_mode="shard")
     assert (logits - ref[0]).abs().max().item() <= 1e-4 and ids == ref[1]
@@ -150,14 +165,14 @@ def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint):
     got = run_tp_variants(tp_checkpoint, 2, 0, [dict(max_prefill_length=128, prefill_coalesce=coalesce)
                                                 for coalesce in (False, True)])
     for coalesce, run in zip((False, True), got, strict=True):
-        ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce))
+        ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce, **ONE))
         assert tuple(run) == tuple(ref), coalesce
         assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
 
 
 def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint):
     """Each rank streams its own slice of every expert and gathers its PLE columns from host memory."""
-    llm = LLM(tp_checkpoint, max_prefill_length=64)
+    llm = LLM(tp_checkpoint, max_prefill_length=64, **ONE)
     ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
     logits, ids, _ = run_tp(tp_checkpoint, 2, max_prefill_length=64, moe_strategy="offload", moe_cache_slots=4,
                             ple_backend="pinned")
@@ -165,7 +180,7 @@ def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint):
 
 
 def test_random_weights_are_the_same_at_any_tp(tp_checkpoint):
-    ref = LLM(tp_checkpoint, load_format="random", seed=9).score(_prompt())
+    ref = LLM(tp_checkpoint, load_format="random", seed=9, **ONE).score(_prompt())
     logits, _, _ = run_tp(tp_checkpoint, 2, load_format="random", seed=9)
     assert (logits - ref).abs().max().item() <= 1e-4
 
@@ -189,17 +204,15 @@ def test_shards_that_do_not_divide_are_refused(tiny_checkpoint):
         run_tp(tiny_checkpoint, 4)
 
 
-if os.environ.get("TIDAL_TEST_DEVICE", "cpu").startswith("cuda"):
-    pytestmark = pytest.mark.skip(reason="gloo tensor-parallel tests run on the CPU")
-
-
 def test_serve_tp2_end_to_end(tiny_checkpoint):
-    """``tidal serve --tp 2 --device cpu``: two executor processes, the OpenAI API, ids equal to one rank."""
+    """``tidal serve --tp 2``: two executor processes, the OpenAI API, ids equal to one rank."""
     from server_harness import Server, Tap, child_pids, cmdline
 
+    needs_devices(2)
     prompt = _prompt()
-    expected = LLM(tiny_checkpoint).generate([prompt], max_tokens=12, ignore_eos=True)[0]
-    srv = Server(tiny_checkpoint, "--tp", "2", api_key=None)
+    expected = LLM(tiny_checkpoint, **ONE).generate([prompt], max_tokens=12, ignore_eos=True)[0]
+    flags = ("--dtype", "float32") if CUDA else ()
+    srv = Server(tiny_checkpoint, "--tp", "2", *flags, api_key=None, device="cuda" if CUDA else "cpu")
     tap = Tap(srv.tap_addr)
     try:
         names = [cmdline(pid) for pid in child_pids(srv.proc.pid)]

@@ -2,7 +2,7 @@
 
     python tools/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
 
-Prints the kernels by total CUDA time (the table the closing notes quote) and the GPU's busy time
+Prints the kernels by total CUDA time (the table docs/performance.md quotes) and the GPU's busy time
 against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
 ops by input shape. ``--trace`` writes the prefill's Chrome trace to
 ``DIR/prefill_trace.json``. ``--host N`` adds the prefill's host side: the N Python functions with the most

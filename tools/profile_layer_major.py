@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import pstats
-import sys
 import tempfile
 import time
 
@@ -32,10 +31,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer_major import h2d_bandwidth  # noqa: E402
-
 from tidal import LLM  # noqa: E402
+from tidal.bench.timing import h2d_bandwidth  # noqa: E402
 from tidal.config.model import ModelConfig  # noqa: E402
 from tidal.executor.offload.ple_table import RowsAhead  # noqa: E402
 from tidal.executor.presets import write_checkpoint  # noqa: E402

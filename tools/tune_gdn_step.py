@@ -5,7 +5,7 @@ against the three launches it replaces (gates, recurrent step, gated norm).
 
 16 key heads and 32 value heads of 128, bf16 projections, fp32 states in a pool of 64 slots. Each variant is
 captured 20 times over in one CUDA graph (launched with PDL, as in a decode graph) and the graph's replay
-timed with CUDA events (``bench_decode_gemm.per_call``); prints microseconds a call and the state bytes'
+timed with CUDA events (``tidal.bench.timing.graph_seconds``); prints microseconds a call and the state bytes'
 rate (read and written once).
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode_gemm import per_call  # this script's folder is first on sys.path
 
+from tidal.bench.timing import graph_seconds
 from tidal.kernels import gdn_decode_triton
 from tidal.kernels.gdn_gates_triton import gdn_gates
 from tidal.kernels.norm_triton import gated_rms_norm_triton
@@ -43,11 +43,11 @@ def run_batch(batch: int, warps_list: list[int]) -> None:
         core = gdn_decode_triton.gdn_decode(q, k, v, gd, beta, pool, slots, fresh)
         gated_rms_norm_triton(core, z.unflatten(-1, (hv, dv)), norm_w, 1e-6)
 
-    us = per_call(parts) * 1e6
+    us = graph_seconds(parts, calls=20) * 1e6
     print(f"batch {batch:3d}: gates + step + norm  {us:7.2f} us  ({state_bytes / us / 1e6:.2f} TB/s)", flush=True)
     for warps in warps_list:
-        us = per_call(lambda warps=warps: gdn_decode_triton.gdn_decode_step(
-            qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool, slots, fresh, num_warps=warps)) * 1e6
+        us = graph_seconds(lambda warps=warps: gdn_decode_triton.gdn_decode_step(
+            qkv, z, b, a, a_log, dt_bias, norm_w, 1e-6, "silu", pool, slots, fresh, num_warps=warps), calls=20) * 1e6
         print(f"batch {batch:3d}: step kernel, {warps:2d} warps {us:7.2f} us  ({state_bytes / us / 1e6:.2f} TB/s)",
               flush=True)
 

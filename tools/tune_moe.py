@@ -61,7 +61,7 @@ def sweep(tokens: int, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, g:
 
 
 # (block_m, block_n, block_k, warps, stages, weight tiles by tensor descriptor): the best of the pointer
-# sweep (docs/device/2026-11-30c/call2/tune_moe.log) with and without descriptors, and deeper pipelines.
+# sweep with and without descriptors, and deeper pipelines.
 CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
            *[(*c, True) for c in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 3),
                                   (128, 64, 64, 4, 3), (128, 64, 64, 8, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),

@@ -44,7 +44,7 @@ class StatePool:
                 (num_slots, c.ple_conv_window, c.hc_count * c.hidden_size), dtype=dtype, device=device
             )
         width = c.ngram_context if c.ple_layer_ids else 0
-        eos = c.ple_eos_id if c.ple_layer_ids else 0
+        eos = c.ngram_eos_id
         self.ngram_context = torch.full((num_slots, width), eos, dtype=torch.long, device=device)
 
     def _tensors(self):

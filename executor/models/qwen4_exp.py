@@ -6,6 +6,8 @@ requests); per-request state lives in the pools the :class:`ForwardBatch` carrie
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -125,7 +127,7 @@ class Qwen4ExpModel(nn.Module):
         """
         streams = self.embed(batch.input_ids)
         if self.config.attention_layers and batch.rope is None:  # a decode graph's prologue sets it
-            batch.rope = self.rotary.cos_sin(batch.positions, streams.dtype)
+            batch = dataclasses.replace(batch, rope=self.rotary.cos_sin(batch.positions, streams.dtype))
         pending = None
         own = None
         group = tp()
