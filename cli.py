@@ -22,9 +22,16 @@ def _serve(ns: argparse.Namespace) -> int:
     return serve(args_from_namespace(ns))
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _tap(ns: argparse.Namespace) -> int:
     """Print one JSON object per PromptAdmitted / Detokenize message published on the tap (and, on
-    stderr, one line once connected: what the server publishes from then on is printed)."""
+    stderr, one line once connected: what the server publishes from then on is printed). SIGINT or
+    SIGTERM ends it with exit status 0."""
+    import signal
+
     import msgspec
     import zmq
     from zmq.utils.monitor import recv_monitor_message
@@ -39,6 +46,7 @@ def _tap(ns: argparse.Namespace) -> int:
     sock.connect(ns.connect)
     dec = decoder(TapMessage)
     out = sys.stdout
+    signal.signal(signal.SIGTERM, _stop)
     deadline = None if ns.count is None else ns.count
     try:
         recv_monitor_message(monitor)  # the server may not be up yet: ZeroMQ retries until it is

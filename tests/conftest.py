@@ -24,7 +24,7 @@ if DEVICE.startswith("cuda"):
 
 # The longest file goes first: `make test` runs two pytest-xdist workers that take a file at a time, in
 # collection order, so a long file started last would leave one worker running it alone at the end.
-FIRST = ("test_tensor_parallel.py",)
+FIRST = ("test_docker.py", "test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,10 +24,12 @@ from tidal.runtime import run as deploy
 ROOT = os.path.dirname(os.path.abspath(tidal.__file__))
 DOCKER = os.path.join(ROOT, "docker")
 COMPOSE = os.path.join(DOCKER, "compose.yaml")
+COMPOSE_CPU = os.path.join(DOCKER, "compose.cpu.yaml")
 ENV_EXAMPLE = os.path.join(DOCKER, ".env.example")
 MESH = ("scheduler", "detokenizer", "executor-0", "frontend")
 # The variables of .env.example that only compose reads (the others reach `tidal run` as TIDAL_<FLAG>).
-COMPOSE_ONLY = {"TIDAL_IMAGE", "TIDAL_MODEL_DIR", "TIDAL_HTTP_PORT"}
+COMPOSE_ONLY = {"TIDAL_IMAGE", "TIDAL_BASE_IMAGE", "TIDAL_PULL_POLICY", "TIDAL_PIP_CERT", "TIDAL_MODEL_DIR",
+                "TIDAL_HTTP_HOST", "TIDAL_HTTP_PORT"}
 
 
 def _compose_command(tmp_path) -> tuple[list[str], dict[str, str]]:
@@ -47,11 +49,10 @@ def _compose_command(tmp_path) -> tuple[list[str], dict[str, str]]:
     return [plugin], env
 
 
-@pytest.fixture(scope="module")
-def compose_config(tmp_path_factory) -> dict:
-    """The resolved compose file (with the tap profile) as JSON."""
+def _resolved(tmp_path_factory, path: str) -> dict:
+    """A compose file as Compose v2 resolves it (with the tap profile), as JSON."""
     cmd, env = _compose_command(tmp_path_factory.mktemp("compose"))
-    base = cmd + ["-f", COMPOSE, "--env-file", ENV_EXAMPLE]
+    base = cmd + ["-f", path, "--env-file", ENV_EXAMPLE]
     for k in list(env):
         if k.startswith("TIDAL_"):
             del env[k]
@@ -63,6 +64,35 @@ def compose_config(tmp_path_factory) -> dict:
     config = json.loads(out.stdout)
     config["default_services"] = sorted(plain.stdout.split())
     return config
+
+
+@pytest.fixture(scope="module")
+def compose_config(tmp_path_factory) -> dict:
+    return _resolved(tmp_path_factory, COMPOSE)
+
+
+def test_the_cpu_compose_file_runs_the_same_services(compose_config, tmp_path_factory):
+    """``compose.cpu.yaml`` is ``compose.yaml`` from the CPU image: every service alike but for the image, its
+    build's base and torch, and the executors' device (no GPU reservation)."""
+    cpu = _resolved(tmp_path_factory, COMPOSE_CPU)
+    assert cpu["default_services"] == compose_config["default_services"]
+    assert set(cpu["services"]) == set(compose_config["services"])
+    for name, gpu in compose_config["services"].items():
+        mine = dict(cpu["services"][name])
+        theirs = dict(gpu)
+        assert (mine.pop("image"), theirs.pop("image")) == ("tidal:cpu", "tidal:cuda")
+        if "build" in theirs:
+            gpu_build, cpu_build = theirs.pop("build"), mine.pop("build")
+            assert cpu_build["args"]["BASE_IMAGE"] == "python:3.11-slim"
+            assert "/cpu" in cpu_build["args"]["TORCH_INDEX"] and cpu_build["args"]["EXTRAS"] == ""
+            assert gpu_build["args"]["EXTRAS"] == "gpu" and "nvidia/cuda" in gpu_build["args"]["BASE_IMAGE"]
+            assert {k: v for k, v in cpu_build.items() if k != "args"} == \
+                {k: v for k, v in gpu_build.items() if k != "args"}
+        if name.startswith("executor-"):
+            assert "deploy" in theirs and "deploy" not in mine
+            theirs.pop("deploy")
+            assert mine.pop("command") == [a if a != "cuda:0" else "cpu" for a in theirs.pop("command")]
+        assert mine == theirs, name
 
 
 def _env_example() -> dict[str, str]:
@@ -120,7 +150,8 @@ def test_compose_services_agree_with_tidal_run(compose_config):
     front = plans["frontend"].args
     assert (front.host, front.port) == ("0.0.0.0", 8000)
     [port] = services["frontend"]["ports"]
-    assert (port["target"], port["published"]) == (8000, env["TIDAL_HTTP_PORT"])
+    assert (port["target"], port["published"], port["host_ip"]) == (8000, env["TIDAL_HTTP_PORT"],
+                                                                     env["TIDAL_HTTP_HOST"])
     assert "http://127.0.0.1:8000/health" in " ".join(services["frontend"]["healthcheck"]["test"])
     # One executor per rank, each with its own GPU, seen as cuda:0 in its container.
     executors = sorted(n for n in services if n.startswith("executor-"))
@@ -140,16 +171,16 @@ def test_compose_services_agree_with_tidal_run(compose_config):
 
 def test_env_example_and_environment_names():
     env = _env_example()
-    text = open(COMPOSE).read()
+    text = open(COMPOSE).read() + open(COMPOSE_CPU).read()
     flag_vars = {deploy.env_name(a.option_strings[0]) for a in deploy._flag_actions().values()}
     for key in env:
-        assert "${" + key in text, f"{key} of .env.example is not used by compose.yaml"
+        assert "${" + key in text, f"{key} of .env.example is not used by the compose files"
         assert (key in COMPOSE_ONLY) != (key in flag_vars), key
     for key in re.findall(r"^\s+(TIDAL_[A-Z_]+):", text, re.M):
         assert key in flag_vars, f"{key} in compose.yaml is no tidal run flag"
-    dockerfile = open(os.path.join(DOCKER, "Dockerfile.cuda")).read()
+    dockerfile = open(os.path.join(DOCKER, "Dockerfile")).read()
     assert re.search(r"^USER tidal$", dockerfile, re.M) and "AS runtime" in dockerfile
-    assert os.access(os.path.join(DOCKER, "entrypoint-cuda.sh"), os.X_OK)
+    assert os.access(os.path.join(DOCKER, "entrypoint.sh"), os.X_OK)
 
 
 def test_flags_win_over_environment_and_errors_name_both():
