@@ -37,9 +37,9 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0,
-                 ignore_eos: bool = False, top_p: float = 1.0, top_k: int = 0,
+                 ignore_eos: bool = False, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                  seed: int | None = None) -> list[list[int]]:
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         rids = []
         for prompt in prompts:
             rid = f"offline-{next(self._ids)}"

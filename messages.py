@@ -37,6 +37,7 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # tokens below min_p x the most likely one's probability are dropped (0: off)
     seed: int | None = None
     # Log-probabilities of each sampled token and of the ``logprobs`` most likely ones (-1: none),
     # from the model's distribution before any sampling adjustment.

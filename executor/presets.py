@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config.model import ModelConfig
-from ..tokenizer import QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens
+from ..tokenizer import QWEN3_5_PAT_STR, _bundled_bpe, qwen_special_tokens, write_hf_tokenizer
 from .layers.ple import hashing_constants
 from .loader import empty_model
 from .progress import progress
@@ -169,19 +169,28 @@ def preset_config(name: str) -> dict:
     return cfg
 
 
-def write_tokenizer(out: str) -> None:
-    """The Qwen3.5/3.6 BPE ranks, the special tokens and the chat template (``CHAT_TEMPLATE``)."""
+def write_tokenizer(out: str, model_max_length: int = 32768) -> None:
+    """The Qwen3.5/3.6 tokenizer as tidal and Hugging Face tools read it: the BPE ranks
+    (``qwen3_6.tiktoken``, which tidal loads), the same vocabulary as a ``tokenizer.json`` with a
+    ``tokenizer_config.json`` (which ``transformers.AutoTokenizer`` loads, to the same ids), and the chat
+    template (``CHAT_TEMPLATE``)."""
     shutil.copyfile(_bundled_bpe(), os.path.join(out, "qwen3_6.tiktoken"))
     specials = qwen_special_tokens()
+    write_hf_tokenizer(os.path.join(out, "tokenizer.json"), _bundled_bpe(), specials, QWEN3_5_PAT_STR)
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({
-            "tokenizer_class": "tiktoken",
-            "bpe_file": "qwen3_6.tiktoken",
-            "pat_str": QWEN3_5_PAT_STR,
-            "special_tokens": specials,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "model_max_length": model_max_length,
             "eos_token": "<|im_end|>",
             "pad_token": "<|endoftext|>",
-            "model_max_length": 32768,
+            "bos_token": None,
+            "unk_token": None,
+            "clean_up_tokenization_spaces": False,
+            "split_special_tokens": False,
+            "errors": "replace",
+            "added_tokens_decoder": {
+                str(i): {"content": t, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False,
+                         "special": True} for t, i in sorted(specials.items(), key=lambda kv: kv[1])},
             "chat_template": CHAT_TEMPLATE,
         }, f, indent=2, ensure_ascii=False)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
@@ -200,7 +209,7 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
         json.dump(data, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT}, f, indent=2)
-    write_tokenizer(out)
+    write_tokenizer(out, config.max_position_embeddings)
     if not weights:
         return out
     model = empty_model(config, "meta", torch.bfloat16)

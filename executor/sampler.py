@@ -37,10 +37,14 @@ def seeded_uniform(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> to
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Rows of ``logits [N, V]`` divided by their temperature, then top-k (``k`` tokens, 0: off), then
-    top-p (the smallest nucleus reaching ``p``, at least one token) masked to -inf; one sort for all."""
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``logits [N, V]`` divided by their temperature, then min-p (tokens less likely than ``min_p``
+    times the most likely one, vLLM's order), then top-k (``k`` tokens, 0: off), then top-p (the smallest
+    nucleus reaching ``p``, at least one token) masked to -inf; one sort for all."""
     logits = logits / temperature[:, None]
+    if min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     ordered, order = torch.sort(logits, dim=-1, descending=True)
@@ -175,9 +179,11 @@ class Sampler:
             index = device_ints(rows, device)
             temperature = device_ints([p.temperature for p in picked], device, np.float32)
             filtered = logits[index]
-            if any(0 < p.top_k < vocab or p.top_p < 1 for p in picked):
+            if any(0 < p.top_k < vocab or p.top_p < 1 or p.min_p > 0 for p in picked):
+                min_p = (device_ints([p.min_p for p in picked], device, np.float32)
+                         if any(p.min_p > 0 for p in picked) else None)
                 filtered = filter_logits(filtered, temperature, device_ints([p.top_k for p in picked], device),
-                                         device_ints([p.top_p for p in picked], device, np.float32))
+                                         device_ints([p.top_p for p in picked], device, np.float32), min_p)
             else:
                 filtered = filtered / temperature[:, None]
             uniform = torch.rand(filtered.shape, generator=self.generator, device=device)

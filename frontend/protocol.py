@@ -19,22 +19,30 @@ from .controls import parse_controls
 from .errors import APIError, bad
 from .logprobs import parse_logprobs
 
-# Fields accepted only at these neutral values.
+# Fields accepted only at these neutral values (vLLM's extensions among them: what their values ask for is what
+# tidal does anyway, or, for the byte-level tokenizer, what no value changes).
 NEUTRAL = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": (None,),
+    "priority": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True, False),
+    "add_special_tokens": (None, True, False),
+    "service_tier": (None, "auto", "default"),
 }
 # Chat fields that completions accept only at these neutral values.
 TOOL_NEUTRAL = {"parallel_tool_calls": (None, True, False), "tools": (None, []), "tool_choice": (None, "none", "auto")}
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "stream",
-                 "stream_options", "user", "skip_special_tokens", "logprobs", "n", "presence_penalty",
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos",
+                 "stream", "stream_options", "user", "skip_special_tokens", "logprobs", "n", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids",
-                 "include_stop_str_in_output", *NEUTRAL}
+                 "include_stop_str_in_output", "truncate_prompt_tokens", *NEUTRAL}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", *TOOL_NEUTRAL}
 CHAT_FIELDS = COMMON_FIELDS | {"top_logprobs", "response_format", "messages", "max_completion_tokens",
-                               "chat_template_kwargs", "metadata",
+                               "chat_template_kwargs", "metadata", "add_generation_prompt", "continue_final_message",
                                "store", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_NEUTRAL = {**NEUTRAL, "continue_final_message": (None, False)}
 MAX_STOP_STRINGS = 16
 # Prompts in one completions request (each with its ``n`` choices).
 MAX_PROMPTS = 64
@@ -95,11 +103,14 @@ class ParsedRequest:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: int | None
     stop: list[str]
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    # ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk carries the usage so far.
+    continuous_usage: bool
     skip_special_tokens: bool
     model: str
     # Alternatives listed per token's log-probability entry (-1: no log-probabilities).
@@ -186,8 +197,10 @@ def _panic(e: BaseException) -> bool:
     return type(e).__name__ == "PanicException"
 
 
-def _encode(param: str, text: str, tokenizer, limits: Limits) -> list[int]:
-    if limits.max_token_bytes:
+def _encode(param: str, text: str, tokenizer, limits: Limits, check_length: bool = True) -> list[int]:
+    """``text``'s ids; unless ``check_length`` (a prompt to be truncated), a text too long to fit the context
+    is refused before it is tokenized."""
+    if limits.max_token_bytes and check_length:
         bound = limits.max_model_len * limits.max_token_bytes
         if len(text) >= bound:  # a token covers at most max_token_bytes bytes, so at most as many characters
             chars = min(len(text), len(unicodedata.normalize("NFC", text)))
@@ -244,6 +257,11 @@ def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
         raise bad("top_k", f"'top_k' must be an integer, -1 or more (-1 and 0: no limit), got {_show(top_k)}")
     if top_k >= limits.vocab_size:
         top_k = 0  # keeps the whole vocabulary: off
+    min_p = body.get("min_p", 0.0)
+    if min_p is None:
+        min_p = 0.0
+    if not _is_num(min_p) or not 0 <= min_p <= 1:
+        raise bad("min_p", f"'min_p' must be a number between 0 and 1, got {_show(min_p)}")
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
         raise bad("seed", f"'seed' must be an integer between -2^63 and 2^63 - 1, got {_show(seed)}")
@@ -265,24 +283,28 @@ def _sampling(body: dict, limits: Limits) -> dict[str, Any]:
             raise bad(name, f"'{name}' must be true or false, got {_show(value)}")
         flags[name] = value
     options = body.get("stream_options")
-    include_usage = False
+    usage_flags = {"include_usage": False, "continuous_usage_stats": False}
     if options is not None:
         if not flags["stream"]:
             raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options", "'stream_options' must be an object with only 'include_usage'")
-        if options.get("continuous_usage_stats") not in (None, False):
-            raise bad("stream_options.continuous_usage_stats",
-                      "'stream_options.continuous_usage_stats' must be false or null (it is not supported)")
-        include_usage = options.get("include_usage", False)
-        if not isinstance(include_usage, bool):
-            raise bad("stream_options.include_usage",
-                      f"'stream_options.include_usage' must be true or false, got {_show(include_usage)}")
+        if not isinstance(options, dict) or set(options) - set(usage_flags):
+            raise bad("stream_options", "'stream_options' must be an object with only 'include_usage' and "
+                                        "'continuous_usage_stats'")
+        for name in usage_flags:
+            value = options.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise bad(f"stream_options.{name}",
+                          f"'stream_options.{name}' must be true or false, got {_show(value)}")
+            usage_flags[name] = bool(value)
+    include_usage = usage_flags["include_usage"]
+    # vLLM's semantics: usage in every chunk only when usage is included at all.
+    continuous_usage = include_usage and usage_flags["continuous_usage_stats"]
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("user", f"'user' must be a string, got {_show(user)}")
-    return dict(model=model, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                stop=stop, include_usage=include_usage, **flags)
+    return dict(model=model, temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0),
+                min_p=float(min_p), seed=seed, stop=stop, include_usage=include_usage,
+                continuous_usage=continuous_usage, **flags)
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None, prompt_len: int, limits: Limits) -> int:
@@ -319,13 +341,37 @@ def _check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
                              f"{limits.vocab_size - 1})")
 
 
-def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer) -> list[int]:
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(name, f"'{name}' must be true or false, got {_show(value)}")
+    return value
+
+
+def _truncated(body: dict, ids: list[int], limits: Limits) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: as many as the context
+    length allows, leaving one for the answer)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return ids
+    if not _is_int(k) or k < -1 or k == 0:
+        raise bad("truncate_prompt_tokens",
+                  f"'truncate_prompt_tokens' must be a positive integer or -1, got {_show(k)}")
+    keep = limits.max_model_len - 1 if k == -1 else k
+    return ids[-keep:] if len(ids) > keep else ids
+
+
+def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer, body: dict) -> list[int]:
     if isinstance(prompt, str):
-        ids = _encode(param, prompt, tokenizer, limits)
+        truncating = body.get("truncate_prompt_tokens") is not None
+        ids = _encode(param, prompt, tokenizer, limits, check_length=not truncating)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         ids = list(prompt)
     else:
         raise bad(param, f"'{param}' must be a string or an array of token ids, got {_show(prompt)}")
+    ids = _truncated(body, ids, limits)
     _check_prompt_ids(ids, limits, param)
     return ids
 
@@ -338,9 +384,9 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise bad("prompt", f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
-        prompts = [_one_prompt(p, f"prompt[{i}]", limits, tokenizer) for i, p in enumerate(prompt)]
+        prompts = [_one_prompt(p, f"prompt[{i}]", limits, tokenizer, body) for i, p in enumerate(prompt)]
     elif isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
-        prompts = [_one_prompt(prompt, "prompt", limits, tokenizer)]
+        prompts = [_one_prompt(prompt, "prompt", limits, tokenizer, body)]
     else:
         raise bad("prompt", f"'prompt' must be a string, an array of token ids, or an array of prompts (strings "
                             f"or token-id arrays), got {_show(prompt)}")
@@ -549,7 +595,7 @@ def _render_message(m: Any, i: int) -> dict:
 
 
 def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequest:
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", f"'messages' must be a non-empty array, got {_show(messages)}")
@@ -572,8 +618,9 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
             raise bad(f"chat_template_kwargs.{key}", f"'chat_template_kwargs.{key}' is set by the server")
     if tools:
         kwargs = {**kwargs, "tools": tools}
+    generation_prompt = _flag(body, "add_generation_prompt", True)
     try:
-        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=True,
+        ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=generation_prompt,
                                             encode_content=answers.lookup if answers else None, **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs)
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
@@ -582,6 +629,7 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
             raise
         raise bad("messages", f"messages could not be tokenized (the tokenizer failed: {e}; a very long run of "
                               "whitespace can do this)") from None
+    ids = _truncated(body, ids, limits)
     _check_prompt_ids(ids, limits, "messages")
     params = _sampling(body, limits)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), limits.default_max_tokens or None,

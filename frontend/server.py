@@ -40,6 +40,7 @@ from .protocol import (
     parse_body,
     parse_chat,
     parse_completion,
+    usage_body,
     usage_chunk,
 )
 
@@ -207,6 +208,7 @@ class Frontend:
                 queue = await self.client.submit(GenerateReq(
                     rid=choice_rid, prompt_ids=ids, max_tokens=max_tokens[p],
                     sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
+                                            min_p=parsed.min_p,
                                             seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
                     ignore_eos=parsed.ignore_eos, stop=parsed.stop, skip_special_tokens=parsed.skip_special_tokens,
                     stop_token_ids=parsed.controls["stop_token_ids"],
@@ -391,9 +393,18 @@ class Frontend:
         await response.prepare(request)
         lock = asyncio.Lock()
 
-        async def write(chunk: dict, index: int) -> None:
+        async def write(chunk: dict, index: int, tokens: int | Usage | None = None) -> None:
+            """``tokens``: the choice's completion tokens so far (its ``Usage`` at its end), for the usage a
+            chunk carries with ``continuous_usage_stats``."""
             for choice in chunk.get("choices", []):
                 choice["index"] = index
+            if parsed.continuous_usage and tokens is not None:
+                if isinstance(tokens, Usage):
+                    chunk["usage"] = usage_body(tokens)
+                else:
+                    prompt = len(choices[index].prompt_ids)
+                    chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": tokens,
+                                      "total_tokens": prompt + tokens}
             async with lock:
                 await response.write(_sse(chunk))
 
@@ -420,7 +431,7 @@ class Frontend:
         finally:  # choice 0's first message carries its prompt's entries (or its error)
             choice.hand_over(delta.prompt_logprobs if delta is not None else None)
         if parsed.chat:
-            await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index)
+            await write(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None), index, 0)
         parts, ids = [], []
         pending_ids, pending_entries, sent = [], [], 0  # tokens whose log-probabilities are not out yet
         if parsed.echo:  # the prompt first (its log-probabilities arrive before any output token)
@@ -429,7 +440,7 @@ class Frontend:
             chunk = completion_chunk(rid, created, model, echoed, None)
             chunk["choices"][0]["logprobs"] = echo_logprobs
             sent = len(echoed)
-            await write(chunk, index)
+            await write(chunk, index, 0)
         output = self._output(parsed)
         while True:
             parts.append(delta.text)
@@ -441,14 +452,14 @@ class Frontend:
                     chunk = chat_chunk(rid, created, model, message, None)
                     chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
                     pending_ids, pending_entries = [], []
-                    await write(chunk, index)
+                    await write(chunk, index, len(ids))
             elif delta.text:
                 chunk = chat_chunk(rid, created, model, {"content": delta.text}, None) if parsed.chat \
                     else completion_chunk(rid, created, model, delta.text, None)
                 chunk["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
                 pending_ids, pending_entries = [], []
                 sent += len(delta.text)
-                await write(chunk, index)
+                await write(chunk, index, len(ids))
             if delta.finished:
                 break
             delta = await self._next(choice, arrival)
@@ -462,7 +473,7 @@ class Frontend:
             else completion_chunk(rid, created, model, "", delta.finish_reason)
         if pending_entries:
             final["choices"][0]["logprobs"] = self._logprobs(parsed, pending_ids, pending_entries, sent)
-        await write(final, index)
+        await write(final, index, delta.usage if delta.usage is not None else len(ids))
         return delta.usage
 
 

@@ -8,14 +8,11 @@ import logging
 import os
 import shutil
 
+from ..config.server_args import cache_dir
+
 logger = logging.getLogger(__name__)
 DEMO_PRESET = "small"
 DEMO_VERSION = 2  # bumped when what `tidal checkpoint` writes changes (2: tool and reasoning template)
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tidal")
 
 
 def demo_checkpoint() -> str:

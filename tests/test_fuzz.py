@@ -125,8 +125,10 @@ COMMON_BAD = {
     "ignore_eos": JUNK, "stream": JUNK, "user": JUNK, "skip_special_tokens": JUNK, "n": JUNK,
     "presence_penalty": JUNK, "logprobs": JUNK, "logit_bias": JUNK, "tools": JUNK, "tool_choice": JUNK,
     "response_format": JUNK, "echo": JUNK, "best_of": JUNK, "suffix": JUNK,
-    "stream_options": JUNK | st.sampled_from([{"include_usage": True}, {"continuous_usage_stats": True},
+    "stream_options": JUNK | st.sampled_from([{"include_usage": True}, {"continuous_usage_stats": 1},
                                               {"include_usage": 1}, {"x": 1}]),
+    "min_p": JUNK | st.sampled_from([-0.1, 1.5, float("nan")]),
+    "truncate_prompt_tokens": JUNK | st.sampled_from([0, -2, 1.5, 2**63]),
     "max_tokens": BAD_MAX_TOKENS,
 }
 EXTRA_KEYS = st.one_of(st.sampled_from(["frobnicate", "", "messages", "prompt", "max_completion_tokens",

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from tidal.messages import SamplingParams
 
 
 def reference_filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row, step by step: temperature, top-k, then top-p over what top-k kept."""
+    """One row, step by step: temperature, min-p, top-k, then top-p over what they kept."""
     out = logits / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(out, dim=-1)
+        out = torch.where(probs >= p.min_p * float(probs.max()), out, torch.tensor(float("-inf")))
     if 0 < p.top_k < out.shape[-1]:
         kept = torch.topk(out, p.top_k).indices
         out = torch.full_like(out, float("-inf")).index_copy(0, kept, out[kept])
@@ -39,6 +42,22 @@ def test_filter_logits_matches_the_reference():
     assert torch.isfinite(got[0]).sum() == 2 and torch.isfinite(got[3]).sum() == 1  # the top token survives
 
 
+def test_min_p_matches_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 40, generator=gen) * 2
+    params = [SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=0.5, min_p=0.3, top_k=3),
+              SamplingParams(temperature=1.5, min_p=0.05, top_p=0.6), SamplingParams(temperature=1.0, min_p=1.0),
+              SamplingParams(temperature=1.0)]
+    got = filter_logits(logits, torch.tensor([p.temperature for p in params]),
+                        torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                        torch.tensor([p.min_p for p in params]))
+    for row, p in enumerate(params):
+        torch.testing.assert_close(got[row], reference_filter(logits[row], p))
+    assert torch.isfinite(got[3]).sum() == 1  # min_p 1: the most likely token alone
+    kept = torch.isfinite(got[0]).sum()
+    assert 1 < kept < 40  # a real cut
+
+
 def test_seeded_uniform_is_a_function_of_seed_index_token():
     seeds, index = torch.tensor([7, 7, 8]), torch.tensor([0, 1, 0])
     u = seeded_uniform(seeds, index, 1000)
@@ -51,7 +70,8 @@ def test_seeded_uniform_is_a_function_of_seed_index_token():
 def test_sampler_draws_from_the_filtered_distribution():
     sampler = Sampler(torch.device("cpu"), seed=2)
     logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]]).repeat(6000, 1)
-    for p in (SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.8, seed=11)):
+    for p in (SamplingParams(temperature=0.8, top_k=3), SamplingParams(temperature=1.2, top_p=0.8, seed=11),
+              SamplingParams(temperature=1.0, min_p=0.4)):
         ids = sampler(logits, [p] * 6000, list(range(6000)))
         freq = torch.bincount(torch.tensor(ids), minlength=4).float() / 6000
         expected = torch.softmax(reference_filter(logits[0], p), dim=0)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import pytest
@@ -197,7 +198,10 @@ def test_bad_completion_requests(server, name, body, param):
      "messages[0].tool_calls[0].function"),
     ({"messages": [{"role": "user", "content": "x", "images": ["a"]}]}, "messages[0].images"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": True,
-      "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+      "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options.continuous_usage_stats"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "no"}, "add_generation_prompt"),
 ])
 def test_bad_chat_requests(server, body, param):
     status, resp = server.post("/v1/chat/completions", body)
@@ -213,6 +217,65 @@ def test_neutral_client_fields_are_accepted(server):
         "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "user": "u", "stop": None,
         "max_tokens": 2, "stream": False})
     assert status == 200 and resp["usage"]["completion_tokens"] <= 2
+
+
+def _sse(server, path: str, body: dict) -> list[dict]:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), headers=server.headers())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = [raw.decode().strip() for raw in r]
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(server, chat):
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far; a chunk's completion tokens are
+    the tokens its stream has carried up to it (counted from the log-probabilities of each chunk)."""
+    body = {"model": "tiny", "max_tokens": 7, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "Hi"}], logprobs=True)
+    else:
+        body.update(prompt=[5, 6, 7, 8], logprobs=0)
+    chunks = _sse(server, "/v1/chat/completions" if chat else "/v1/completions", body)
+    *streamed, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
+    prompt = last["usage"]["prompt_tokens"]
+    seen = 0
+    for c in streamed:
+        lp = c["choices"][0]["logprobs"]
+        seen += len((lp or {}).get("content" if chat else "tokens") or [])
+        assert c["usage"]["prompt_tokens"] == prompt and c["usage"]["completion_tokens"] == seen, (c, seen)
+        assert c["usage"]["total_tokens"] == prompt + seen
+    assert seen == 7
+    # Without include_usage there is no usage at all (vLLM's semantics).
+    body["stream_options"] = {"continuous_usage_stats": True}
+    assert all("usage" not in c for c in _sse(server, "/v1/chat/completions" if chat else "/v1/completions", body))
+
+
+def test_vllm_fields_that_clients_send(server):
+    """vLLM's extensions: the ones tidal does are honoured, neutral values of the others accepted, other values
+    and unsupported fields refused with a 400 naming the field."""
+    prompt = list(range(1000, 1040))
+    base = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    status, resp = server.post("/v1/completions", {**base, "truncate_prompt_tokens": 16})
+    assert status == 200 and resp["usage"]["prompt_tokens"] == 16
+    status, resp = server.post("/v1/completions", {**base, "min_p": 0.2, "temperature": 0.8, "seed": 3,
+                                                   "priority": 0, "use_beam_search": False, "length_penalty": 1.0,
+                                                   "spaces_between_special_tokens": True, "add_special_tokens": True,
+                                                   "service_tier": "auto", "stop": None, "logprobs": None})
+    assert status == 200 and resp["usage"]["completion_tokens"] == 2
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    with_prompt = server.post("/v1/chat/completions", chat)[1]["usage"]["prompt_tokens"]
+    status, resp = server.post("/v1/chat/completions", {**chat, "add_generation_prompt": False,
+                                                        "continue_final_message": False})
+    assert status == 200 and resp["usage"]["prompt_tokens"] == with_prompt - 3  # "<|im_start|>assistant\n"
+    for field, value in (("request_id", "abc"), ("guided_json", {}), ("prompt_logprobs", 1),
+                         ("return_tokens_as_token_ids", True), ("min_p", -1), ("priority", 5),
+                         ("use_beam_search", True), ("truncate_prompt_tokens", 0), ("functions", [])):
+        status, resp = server.post("/v1/completions", {**base, field: value})
+        assert status == 400 and resp["error"]["param"] == field, (field, resp)
 
 
 def test_invalid_json_auth_and_unknown_route(server, client):
