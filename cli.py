@@ -9,9 +9,14 @@ import sys
 def _checkpoint(ns: argparse.Namespace) -> int:
     from .executor.presets import write_checkpoint
 
-    out = write_checkpoint(ns.preset, ns.out, seed=ns.seed, weights=not ns.config_only)
+    if (ns.preset is None) == (ns.source is None):
+        raise ValueError("give --preset NAME (random weights) or --from DIR (a dense checkpoint), not both")
+    out = write_checkpoint(ns.preset, ns.out, seed=ns.seed, weights=not ns.config_only, quantize=ns.quantize,
+                           source=ns.source)
     what = "config and tokenizer" if ns.config_only else "checkpoint"
-    print(f"wrote {ns.preset} {what} (seed {ns.seed}, random weights) to {out}")
+    layout = f", {ns.quantize} experts and n-gram table" if ns.quantize else ""
+    origin = f"{ns.preset} (seed {ns.seed}, random weights)" if ns.source is None else f"from {ns.source}"
+    print(f"wrote {what} {origin}{layout} to {out}")
     return 0
 
 
@@ -85,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     ck = sub.add_parser("checkpoint", help="write a Qwen4-Exp checkpoint with seeded random weights")
-    ck.add_argument("--preset", required=True, help="tiny, small or bench")
+    ck.add_argument("--preset", default=None, help="tiny, small, bench or flash-next (random weights)")
+    ck.add_argument("--from", dest="source", default=None,
+                    help="a dense Hugging Face checkpoint directory to write again (with --quantize)")
+    ck.add_argument("--quantize", default=None, choices=["nvfp4", "fp8"],
+                    help="write the routed experts and the n-gram table in a published layout: nvfp4 (ModelOpt "
+                         "MIXED_PRECISION) or fp8 (Qwen's block FP8)")
     ck.add_argument("--out", required=True, help="output directory")
     ck.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     ck.add_argument("--config-only", action="store_true",

@@ -29,7 +29,8 @@ class LLM:
                  max_prefill_length: int | None = None, **server_args: Any):
         self.args = ServerArgs(model=model_path, device=device, dtype=dtype,
                                max_prefill_length=max_prefill_length, **server_args)
-        self.config = ModelConfig.from_file(model_path)
+        self.config = ModelConfig.from_file(model_path).with_quantization(self.args.quantization,
+                                                                          self.args.load_format)
         self.sizes = pool_sizes(self.args, self.config)
         self.runner = build_runner(self.args, self.config, self.sizes, model_path)
         self._events: list[object] = []

@@ -11,8 +11,10 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from .quant import Quantization, QuantizationError, read_quantization
 
 LINEAR = "linear_attention"
 ATTENTION = "attention"
@@ -101,8 +103,26 @@ class ModelConfig:
     indexer_compress_ratio: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # How the checkpoint stores its weights (config/quant.py); None: in torch_dtype.
+    quantization: Quantization | None = field(default=None, compare=False)
     # Raw text-config dict (the executor ranks compare its digest at start-up).
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def with_quantization(self, flag: str | None, load_format: str = "safetensors") -> ModelConfig:
+        """This config as ``--quantization flag`` serves it: with ``--load-format random`` random weights in that
+        published layout; with a checkpoint, the checkpoint's own format, which the flag must name if given."""
+        if flag is None:
+            return self
+        from .quant import for_format
+
+        wanted = for_format(flag)
+        if load_format == "random":
+            return replace(self, quantization=wanted)
+        have = self.quantization.experts if self.quantization is not None else None
+        if have != wanted.experts:
+            raise ConfigError(f"--quantization {flag}: the checkpoint's routed experts are "
+                              f"{have or 'not quantized'} (tidal does not quantize a checkpoint at load)")
+        return self
 
     # ---- derived facts ------------------------------------------------------------------------
     @property
@@ -205,14 +225,21 @@ class ModelConfig:
             raise ConfigError(f"no config.json at {cfg_path}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        config = cls.from_dict(data)
+        try:
+            quantization = read_quantization(os.path.dirname(cfg_path) or ".")
+        except QuantizationError as e:
+            raise ConfigError(str(e)) from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"hf_quant_config.json: {e}") from None
+        return replace(config, quantization=quantization) if quantization is not None else config
 
     @classmethod
     def _from_text(cls, text: dict[str, Any]) -> "ModelConfig":
         known = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {}
         for key, value in text.items():
-            if key in known and key not in ("layer_types", "ple_layer_ids", "raw", "eos_token_ids"):
+            if key in known and key not in ("layer_types", "ple_layer_ids", "raw", "eos_token_ids", "quantization"):
                 kw[key] = value
         hidden = int(text.get("hidden_size", cls.hidden_size))
         heads = int(text.get("num_attention_heads", cls.num_attention_heads))

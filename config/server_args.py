@@ -34,6 +34,8 @@ class ServerArgs:
     dist_init_addr: str | None = None  # tcp://host:port of rank 0's process-group store
     hc_prefill_mode: str = "off"  # "off" | "control" | "shard"
     load_format: str = "safetensors"
+    # --load-format random: the published layout of random weights (nvfp4, fp8); with a checkpoint: a check.
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_prefill_length: int | None = 8192
@@ -124,6 +126,8 @@ class ServerArgs:
              f"must be >= 2, got {self.max_model_len}")
         need(self.load_format in ("safetensors", "random"), "load_format",
              f"must be 'safetensors' or 'random', got {self.load_format!r}")
+        need(self.quantization in (None, "nvfp4", "fp8"), "quantization",
+             f"must be nvfp4 or fp8 (or unset: the checkpoint's own format), got {self.quantization!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
              f"must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("tap_addr", "scheduler_addr", "executor_addr", "detokenizer_addr", "frontend_addr",
@@ -224,6 +228,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "eligible prefill)")
     p.add_argument("--load-format", default=d.load_format, choices=["safetensors", "random"],
                    help="safetensors: the checkpoint's weights; random: seeded weights from config.json alone")
+    p.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                   help="with --load-format random: random weights in a published quantized layout (nvfp4: ModelOpt "
+                        "NVFP4 experts and an FP8 n-gram table; fp8: block FP8 experts and an FP8 n-gram table); "
+                        "with a checkpoint: the format its routed experts must have (default: the checkpoint's)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of --load-format random and of sampling for requests without a seed")
     p.add_argument("--max-model-len", type=int, default=None,

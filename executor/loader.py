@@ -6,16 +6,19 @@ import glob
 import json
 import logging
 import os
+import re
 from collections import defaultdict
 
 import torch
 from safetensors import safe_open
 
 from ..config.model import ModelConfig
-from .distributed import single_rank, tp
+from .distributed import single_rank, split, tp
 from .distributed.shard import LazySlice, shard, shard_expert_part
+from .layers.moe import RoutedExperts
 from .models import Qwen4ExpForCausalLM
 from .progress import progress
+from .quant import QuantTensor, quantize_experts, stacked_block_rows
 from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_tensor
 
 logger = logging.getLogger(__name__)
@@ -48,11 +51,20 @@ def resolve_dtype(name: str | torch.dtype | None, config: ModelConfig, device: s
 
 
 def host_resident(name: str, moe_strategy: str = "resident", ple_backend: str = "gpu") -> bool:
-    """Whether parameter ``name`` lives in host memory: routed experts under ``--moe-strategy offload``,
-    PLE tables under ``--ple-backend pinned`` (``disk`` keeps none: rows are read from the files)."""
-    if moe_strategy == "offload" and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+    """Whether parameter (or quantized-weight buffer) ``name`` lives in host memory: routed experts under
+    ``--moe-strategy offload``, PLE tables under ``--ple-backend pinned`` (``disk`` keeps none: rows are read from
+    the files)."""
+    if moe_strategy == "offload" and ".mlp.experts." in name and not name.endswith("_block_rows"):
         return True
     return ple_backend != "gpu" and name.endswith("ngram_embedding.weight")
+
+
+def stored_dtype(name: str, config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``name`` is kept in: ``dtype``, or float8 for an FP8 n-gram table."""
+    q = config.quantization
+    if name.endswith("ngram_embedding.weight") and q is not None and q.ngram is not None:
+        return torch.float8_e4m3fn
+    return dtype
 
 
 def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, moe_strategy: str = "resident",
@@ -66,25 +78,42 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
     for prefix, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
             full = f"{prefix}.{name}" if prefix else name
+            kept = stored_dtype(full, config, dtype)
             if ple_backend == "disk" and full.endswith("ngram_embedding.weight"):
-                tensor = torch.empty((0, param.shape[1]), dtype=dtype, device="cpu")
+                tensor = torch.empty((0, param.shape[1]), dtype=kept, device="cpu")
             elif host_resident(full, moe_strategy, ple_backend):
-                tensor = torch.empty(param.shape, dtype=dtype, device="cpu", pin_memory=pin)
+                tensor = torch.empty(param.shape, dtype=kept, device="cpu", pin_memory=pin)
             else:
-                tensor = torch.empty(param.shape, dtype=dtype, device=device)
+                tensor = torch.empty(param.shape, dtype=kept, device=device)
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
-    # Integer buffers (n-gram hashing constants) were derived from the config on the CPU.
+    # Buffers derived from the config on the CPU (n-gram hashing constants) move to the device; those made on
+    # the meta device (scales filled by the loader) are made there.
     for module in model.modules():
+        storage = module.storage() if isinstance(module, RoutedExperts) and module.fmt is not None else ()
         for name, buf in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = buf.to(device)
+            if name in storage:
+                continue
+            meta = buf.device.type == "meta"
+            module._buffers[name] = torch.ones(buf.shape, dtype=buf.dtype, device=device) if meta else buf.to(device)
+    # Quantized experts' storage, placed as parameters are.
+    for prefix, module in model.named_modules():
+        if isinstance(module, RoutedExperts) and module.fmt is not None:
+            for name in module.storage():
+                buf = getattr(module, name)
+                host = host_resident(f"{prefix}.{name}", moe_strategy, ple_backend)
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu" if host else device,
+                                                    pin_memory=pin and host)
+            for proj, (parts, _) in module.layout().items():
+                if f"{proj}_block_rows" in module._buffers:
+                    module._buffers[f"{proj}_block_rows"] = stacked_block_rows(parts).to(device)
     model.eval()
     return model
 
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                load_format: str = "safetensors", seed: int = 0, moe_strategy: str = "resident",
-               ple_backend: str = "gpu") -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
-    config = ModelConfig.from_file(path)
+               ple_backend: str = "gpu", quantization: str | None = None) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    config = ModelConfig.from_file(path).with_quantization(quantization, load_format)
     torch_dtype = resolve_dtype(dtype, config, str(device))
     model = empty_model(config, device, torch_dtype, moe_strategy, ple_backend)
     if load_format == "random":
@@ -114,15 +143,66 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
         with single_rank(), torch.device("meta"):
             full_shapes = {n: tuple(p.shape) for n, p in Qwen4ExpForCausalLM(config).named_parameters()}
     named = list(model.named_parameters())
-    for name, param in progress(named, desc="random weights", unit="tensor", show=tp().rank == 0):
+    quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts) and m.fmt is not None]
+    bar = progress(total=len(named) + 2 * len(quantized), desc="random weights", unit="tensor", show=tp().rank == 0)
+    for name, param in named:
+        bar.update()
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = full_shapes[name] if full_shapes else tuple(param.shape)
+        if param.dtype == torch.float8_e4m3fn:  # an FP8 n-gram table: one scale for the whole (full) table
+            from ..kernels.quant import quantize_fp8_tensor
+
+            full = random_tensor(name, shape, config, seed, device=device).to(stored)
+            values, scale = quantize_fp8_tensor(full)
+            param.data.copy_(shard(name, values, config))
+            model.get_buffer(name + "_scale").copy_(scale)
+            del full, values
+            continue
         value = shard(name, random_tensor(name, shape, config, seed, device=device), config)
         param.data.copy_(value.to(stored))
         del value
+    # Quantized experts: the same values the parameters would get, rounded through the checkpoint dtype, then
+    # quantized as a checkpoint's would be (each expert's gate, up and down its own tensor).
+    inter, hidden = config.moe_intermediate_size, config.hidden_size
+    for prefix, module in quantized:
+        for proj, (shape, parts) in {"gate_up_proj": ((2 * inter, hidden), [inter, inter]),
+                                     "down_proj": ((hidden, inter), [hidden])}.items():
+            bar.update()
+            values = random_tensor(f"{prefix}.{proj}", (module.num_experts, *shape), config, seed,
+                                   device=device).to(stored)
+            store_experts(module, proj, quantize_experts(values, parts, module.fmt), config)
+            del values
+    bar.close()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def store_experts(module: RoutedExperts, proj: str, full: QuantTensor, config: ModelConfig) -> None:
+    """Copy this rank's part of a full layer's quantized ``proj`` (``[E, 2I, ...]`` or ``[E, H, ...]``) into the
+    module's storage."""
+    target = module.weight(proj)
+    if tp().size == 1:
+        target.copy_(full)
+        return
+    inter, n, fmt = config.moe_intermediate_size, module.intermediate, module.fmt
+    if proj == "down_proj":
+        target.data.copy_(_expert_slice(config, fmt, "down_proj", "data", full.data))
+        target.scale.copy_(_expert_slice(config, fmt, "down_proj", "scale", full.scale))
+        if full.scale_2 is not None:
+            target.scale_2.copy_(full.scale_2)
+        return
+    blocks = -(-inter // 128)
+    for i, part in enumerate(("gate_proj", "up_proj")):
+        rows = slice(i * n, (i + 1) * n)
+        target.data[:, rows].copy_(_expert_slice(config, fmt, part, "data", full.data[:, i * inter:(i + 1) * inter]))
+        if fmt == "nvfp4":
+            target.scale[:, rows].copy_(_expert_slice(config, fmt, part, "scale",
+                                                      full.scale[:, i * inter:(i + 1) * inter]))
+            target.scale_2[:, rows].copy_(full.scale_2[:, i * inter:i * inter + n])
+        else:
+            local = _expert_slice(config, fmt, part, "scale", full.scale[:, i * blocks:(i + 1) * blocks])
+            target.scale[:, i * local.shape[1]:(i + 1) * local.shape[1]].copy_(local)
 
 
 def _safetensor_files(path: str) -> list[str]:
@@ -137,16 +217,259 @@ def _safetensor_files(path: str) -> list[str]:
     return files
 
 
+# A quantized linear's companions: NVFP4 ``weight_scale`` (e4m3 per 16) + ``weight_scale_2`` (fp32), block FP8
+# ``weight_scale_inv``, per-tensor FP8 ``weight_scale``; ``input_scale`` (activations) is not used.
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale_2", "weight_scale", "input_scale")
+EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                           r"(weight|weight_scale_inv|weight_scale_2|weight_scale|input_scale)$")
+STACKED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)"
+                            r"(?:_(weight_scale_inv|weight_scale_2|weight_scale|input_scale))?$")
+# KV-cache scales of a checkpoint quantized with an FP8 KV cache: tidal keeps its KV cache in the compute dtype.
+KV_SCALE = re.compile(r"\.(k_scale|v_scale|q_scale|k_proj\.output_scale|v_proj\.output_scale)$")
+QUANT_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+class _Reader:
+    """Every tensor of a checkpoint by its text-model name, read on demand (files stay open while loading)."""
+
+    def __init__(self, path: str):
+        self.files = _safetensor_files(path)
+        self.index: dict[str, tuple[str, str]] = {}
+        self.skipped: list[str] = []
+        self._open: dict[str, object] = {}
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    name = canonical_name(key)
+                    if name is None:
+                        self.skipped.append(key)
+                    else:
+                        self.index[name] = (file, key)
+
+    def _handle(self, file: str):
+        if file not in self._open:
+            self._open[file] = safe_open(file, framework="pt").__enter__()
+        return self._open[file]
+
+    def lazy(self, name: str) -> LazySlice:
+        file, key = self.index[name]
+        return LazySlice(self._handle(file).get_slice(key))
+
+    def read(self, name: str) -> torch.Tensor:
+        file, key = self.index[name]
+        return self._handle(file).get_tensor(key)
+
+    def dtype(self, name: str) -> torch.dtype:
+        file, key = self.index[name]
+        return _ST_TORCH[self._handle(file).get_slice(key).get_dtype()]
+
+    def key(self, name: str) -> str:
+        return self.index[name][1]
+
+    def close(self) -> None:
+        for handle in self._open.values():
+            handle.__exit__(None, None, None)
+        self._open.clear()
+
+
+_ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+             "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _scalar(reader: _Reader, name: str) -> torch.Tensor:
+    t = reader.read(name)
+    if t.numel() != 1:
+        raise CheckpointError(f"tensor {reader.key(name)} has shape {list(t.shape)}; expected one value")
+    return t.float().reshape(())
+
+
+def _dequantize_linear(reader: _Reader, base: str, weight: torch.Tensor) -> torch.Tensor:
+    """A quantized dense linear's values (fp32) from ``base.weight`` and its scales: NVFP4, block FP8 or per-tensor
+    FP8, told apart by the tensors present."""
+    from ..kernels.quant import dequantize_fp8_block, dequantize_fp8_tensor, dequantize_nvfp4
+
+    has = {suffix: f"{base}.{suffix}" in reader.index for suffix in SCALE_SUFFIXES}
+    key = reader.key(f"{base}.weight")
+    if weight.dtype == torch.uint8:
+        if not has["weight_scale"] or not has["weight_scale_2"]:
+            missing = "weight_scale" if not has["weight_scale"] else "weight_scale_2"
+            raise CheckpointError(f"tensor {key} is NVFP4 (uint8) but {base}.{missing} is missing")
+        scale = reader.read(f"{base}.weight_scale")
+        _check_nvfp4_scale(reader.key(f"{base}.weight_scale"), scale, weight.shape)
+        return dequantize_nvfp4(weight, scale, _scalar(reader, f"{base}.weight_scale_2"))
+    if has["weight_scale_inv"]:
+        scale = reader.read(f"{base}.weight_scale_inv")
+        _check_fp8_scale(reader.key(f"{base}.weight_scale_inv"), scale, weight.shape)
+        return dequantize_fp8_block(weight, scale)
+    if has["weight_scale"]:
+        return dequantize_fp8_tensor(weight, _scalar(reader, f"{base}.weight_scale"))
+    raise CheckpointError(f"tensor {key} is FP8 but has no weight_scale_inv or weight_scale")
+
+
+def _check_nvfp4_scale(key: str, scale: torch.Tensor, packed_shape) -> None:
+    want = (*packed_shape[:-1], packed_shape[-1] * 2 // 16)
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != tuple(want):
+        raise CheckpointError(f"tensor {key} has shape {list(scale.shape)} and dtype {scale.dtype}; expected "
+                              f"{list(want)} float8_e4m3fn (one scale per 16 values)")
+
+
+def _check_fp8_scale(key: str, scale: torch.Tensor, shape) -> None:
+    want = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    if tuple(scale.shape) != tuple(want) or scale.dtype not in (torch.float32, torch.bfloat16):
+        raise CheckpointError(f"tensor {key} has shape {list(scale.shape)} and dtype {scale.dtype}; expected "
+                              f"{list(want)} in float32 or bfloat16 (one scale per 128 x 128 block)")
+
+
+def _expert_slice(config: ModelConfig, fmt: str, part: str, quantity: str, t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of one expert's quantized tensor ``quantity`` (``data``, ``scale``) of ``part``
+    (``gate_proj``/``up_proj`` split on their rows, ``down_proj`` on its columns), on group or block bounds."""
+    if tp().size == 1:
+        return t
+    full = config.moe_intermediate_size
+    i0, n = split(full, "moe_intermediate_size")
+    unit = 128 if fmt == "fp8" else (2 if quantity == "data" else 16)  # values per stored element of the dim
+    rows = part != "down_proj"
+    if fmt == "nvfp4" and rows:
+        unit = 1
+    if fmt == "fp8" and quantity == "data":
+        unit = 1
+    if i0 % (128 if fmt == "fp8" else 16) or ((i0 + n) % (128 if fmt == "fp8" else 16) and i0 + n != full):
+        raise CheckpointError(_cut_message(config, fmt))
+    start, stop = i0 // unit, -(-(i0 + n) // unit)
+    return t.narrow(-2 if rows else -1, start, stop - start)
+
+
+def _cut_message(config: ModelConfig, fmt: str) -> str:
+    block = "128 x 128 FP8 blocks" if fmt == "fp8" else "NVFP4 groups of 16"
+    n = config.moe_intermediate_size // tp().size
+    return (f"--tp {tp().size}: moe_intermediate_size {config.moe_intermediate_size} splits into {n} per rank, which "
+            f"cuts the {block} of the routed experts (use a --tp that keeps each rank's share a multiple of "
+            f"{128 if fmt == 'fp8' else 16})")
+
+
+def _load_quant_experts(module: RoutedExperts, base: str, reader: _Reader, config: ModelConfig) -> set[str]:
+    """Fill a quantized :class:`RoutedExperts` from per-expert 2-D tensors or stacked 3-D ones; the names read."""
+    fmt, used = module.fmt, set()
+    inter, hidden, experts = config.moe_intermediate_size, config.hidden_size, module.num_experts
+    want_dtype = torch.uint8 if fmt == "nvfp4" else torch.float8_e4m3fn
+    gate_up, down = module.gate_up, module.down
+    n = module.intermediate
+
+    def store(target, e: int, rows: slice, part: str, data: torch.Tensor, scale: torch.Tensor,
+              scale_2: torch.Tensor | None) -> None:
+        target.data[e, rows].copy_(_expert_slice(config, fmt, part, "data", data))
+        if fmt == "nvfp4":
+            target.scale[e, rows].copy_(_expert_slice(config, fmt, part, "scale", scale))
+            target.scale_2[e, rows] = scale_2
+        else:  # the part's own blocks, at its place among the stacked block rows
+            sliced = _expert_slice(config, fmt, part, "scale", scale).float()
+            block_rows = target.block_rows[rows].to(sliced.device)
+            target.scale[e].index_copy_(0, torch.unique(block_rows), sliced)
+
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    places = {"gate_proj": (gate_up, slice(0, n)), "up_proj": (gate_up, slice(n, 2 * n)),
+              "down_proj": (down, slice(None))}
+    if f"{base}.0.gate_proj.weight" in reader.index:
+        for e in range(experts):
+            for part, (rows_full, cols_full) in shapes.items():
+                name = f"{base}.{e}.{part}"
+                if f"{name}.weight" not in reader.index:
+                    raise CheckpointError(f"missing expert tensors: ['{name}.weight']")
+                data = reader.read(f"{name}.weight")
+                stored = (rows_full, cols_full // 2) if fmt == "nvfp4" else (rows_full, cols_full)
+                if data.dtype != want_dtype or tuple(data.shape) != stored:
+                    raise CheckpointError(f"tensor {reader.key(name + '.weight')} has shape {list(data.shape)} and "
+                                          f"dtype {data.dtype}; expected {list(stored)} {want_dtype} ({fmt} experts)")
+                scale, scale_2 = _expert_scales(reader, name, fmt, data.shape)
+                used.update(f"{name}.{s}" for s in ("weight", *SCALE_SUFFIXES) if f"{name}.{s}" in reader.index)
+                target, rows = places[part]
+                store(target, e, rows, part, data, scale, scale_2)
+        return used
+    # Stacked: gate_up_proj [E, 2I, ...] (gate rows first) and down_proj [E, H, ...] with their scales.
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"{base}.{proj}"
+        if name not in reader.index:
+            raise CheckpointError(f"missing expert tensors: ['{base}.0.gate_proj.weight'] (or the stacked {name})")
+        data = reader.read(name)
+        rows_full = 2 * inter if proj == "gate_up_proj" else hidden
+        cols_full = hidden if proj == "gate_up_proj" else inter
+        stored = (experts, rows_full, cols_full // 2 if fmt == "nvfp4" else cols_full)
+        if data.dtype != want_dtype or tuple(data.shape) != stored:
+            raise CheckpointError(f"tensor {reader.key(name)} has shape {list(data.shape)} and dtype {data.dtype}; "
+                                  f"expected {list(stored)} {want_dtype} ({fmt} experts)")
+        used.update(n_ for n_ in (name, *(f"{name}_{s}" for s in SCALE_SUFFIXES)) if n_ in reader.index)
+        if fmt == "nvfp4":
+            scale = _need(reader, f"{name}_weight_scale")
+            _check_nvfp4_scale(reader.key(f"{name}_weight_scale"), scale, data.shape)
+            scale_2 = _need(reader, f"{name}_weight_scale_2").float().reshape(experts, -1)
+            if scale_2.shape[1] not in (1, 2 if proj == "gate_up_proj" else 1):
+                raise CheckpointError(f"tensor {reader.key(f'{name}_weight_scale_2')} has shape "
+                                      f"{list(scale_2.shape)}; expected one or (gate_up) two values per expert")
+        else:
+            scale = _need(reader, f"{name}_weight_scale_inv")
+            if proj == "gate_up_proj" and inter % 128:
+                raise CheckpointError(f"tensor {reader.key(name)}: stacked FP8 gate and up need "
+                                      f"moe_intermediate_size a multiple of 128 (got {inter}); store them per expert")
+            _check_fp8_scale(reader.key(f"{name}_weight_scale_inv"), scale, (experts, rows_full, cols_full))
+            scale_2 = None
+        for e in range(experts):
+            if proj == "gate_up_proj":
+                for i, part in enumerate(("gate_proj", "up_proj")):
+                    rows_q = slice(i * inter, (i + 1) * inter)
+                    s_rows = rows_q if fmt == "nvfp4" else slice(i * inter // 128, (i + 1) * inter // 128)
+                    s2 = None if scale_2 is None else scale_2[e, min(i, scale_2.shape[1] - 1)]
+                    target, rows = places[part]
+                    store(target, e, rows, part, data[e, rows_q], scale[e, s_rows], s2)
+            else:
+                store(down, e, slice(None), "down_proj", data[e], scale[e], None if scale_2 is None else scale_2[e, 0])
+    return used
+
+
+def _need(reader: _Reader, name: str) -> torch.Tensor:
+    if name not in reader.index:
+        raise CheckpointError(f"missing tensor {name}")
+    return reader.read(name)
+
+
+def _expert_scales(reader: _Reader, name: str, fmt: str, data_shape) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if fmt == "nvfp4":
+        for suffix in ("weight_scale", "weight_scale_2"):
+            if f"{name}.{suffix}" not in reader.index:
+                raise CheckpointError(f"tensor {reader.key(name + '.weight')} is NVFP4 but {name}.{suffix} is missing")
+        scale = reader.read(f"{name}.weight_scale")
+        _check_nvfp4_scale(reader.key(f"{name}.weight_scale"), scale, data_shape)
+        return scale, _scalar(reader, f"{name}.weight_scale_2")
+    if f"{name}.weight_scale_inv" not in reader.index:
+        raise CheckpointError(f"tensor {reader.key(name + '.weight')} is FP8 but {name}.weight_scale_inv is missing")
+    scale = reader.read(f"{name}.weight_scale_inv")
+    _check_fp8_scale(reader.key(f"{name}.weight_scale_inv"), scale, data_shape)
+    return scale, None
+
+
 def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                      skip_ple_tables: bool = False) -> None:
     """Fill ``model`` from the checkpoint's files; with ``skip_ple_tables`` the PLE shards stay on disk
-    (they are only checked to exist: ``--ple-backend disk`` reads them on demand)."""
+    (they are only checked to exist: ``--ple-backend disk`` reads them on demand). Quantized routed experts and
+    n-gram tables are kept as stored; any other quantized linear is dequantized here, once."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+    modules = dict(model.named_modules())
+    reader = _Reader(path)
+    try:
+        _load(model, config, reader, params, buffers, modules, skip_ple_tables)
+    finally:
+        reader.close()
+
+
+def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: dict, modules: dict,
+          skip_ple_tables: bool) -> None:
     filled: set[str] = set()
+    used: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = defaultdict(set)
-    ple_shards: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
+    ple_shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
     unexpected: list[str] = []
+    dequantized = 0
 
     def check_shape(key: str, target: torch.Tensor, shape) -> None:
         if tuple(shape) != tuple(target.shape):
@@ -154,76 +477,102 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
                 f"tensor {key} has shape {list(shape)}, expected {list(target.shape)} from config.json"
             )
 
-    files = _safetensor_files(path)
-    tensors = 0
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            tensors += len(f.keys())
-    bar = progress(total=tensors, desc="loading weights", unit="tensor", show=tp().rank == 0)
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                bar.update()
-                name = canonical_name(key)
-                if name is None:
-                    continue
-                m = EXPERT_KEY.match(name)
-                if m:
-                    base, expert, part = m.group(1), int(m.group(2)), m.group(3)
-                    gate_up, down = params.get(base + ".gate_up_proj"), params.get(base + ".down_proj")
-                    if gate_up is None or expert >= gate_up.shape[0]:
-                        unexpected.append(key)
-                        continue
-                    inter = down.shape[2]
-                    tensor = shard_expert_part(part, LazySlice(f.get_slice(key)), config)
-                    if part == "down_proj":
-                        check_shape(key, down[expert], tensor.shape)
-                        down.data[expert].copy_(tensor)
-                    else:
-                        rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
-                        check_shape(key, gate_up[expert, rows], tensor.shape)
-                        gate_up.data[expert, rows].copy_(tensor)
-                    expert_parts[base].add((expert, part))
-                    continue
-                m = PLE_SHARD_KEY.match(name)
-                if m:
-                    ple_shards[m.group(1) + ".weight"].append((int(m.group(2)), file, key))
-                    continue
-                if name in params:
-                    tensor = shard(name, LazySlice(f.get_slice(key)), config)
-                    check_shape(key, params[name], tensor.shape)
-                    params[name].data.copy_(tensor)
-                    filled.add(name)
-                elif name in buffers:
-                    tensor = f.get_tensor(key)
-                    check_shape(key, buffers[name], tensor.shape)
-                    if not torch.equal(tensor.to(buffers[name].device), buffers[name]):
-                        logger.warning("%s differs from the value derived from config.json; using the checkpoint's",
-                                       key)
-                        buffers[name].copy_(tensor)
-                else:
-                    unexpected.append(key)
-
+    if reader.skipped:
+        logger.info("not served: %d tensors of the checkpoint's vision tower or multi-token prediction head "
+                    "(%s ...)", len(reader.skipped), reader.skipped[0])
+    quant_bases = {n for n, m in modules.items() if isinstance(m, RoutedExperts) and m.fmt is not None}
+    for base in sorted(quant_bases):
+        used |= _load_quant_experts(modules[base], base, reader, config)
+        filled.add(base)
+    bar = progress(total=len(reader.index), desc="loading weights", unit="tensor", show=tp().rank == 0)
+    for name in reader.index:
+        bar.update()
+        if name in used:
+            continue
+        key = reader.key(name)
+        m = EXPERT_KEY.match(name)
+        if m and m.group(1) not in quant_bases:
+            base, expert, part = m.group(1), int(m.group(2)), m.group(3)
+            gate_up, down = params.get(base + ".gate_up_proj"), params.get(base + ".down_proj")
+            if gate_up is None or expert >= gate_up.shape[0]:
+                unexpected.append(key)
+                continue
+            if reader.dtype(name) in QUANT_DTYPES:
+                raise CheckpointError(f"tensor {key} is quantized ({reader.dtype(name)}) but config.json names no "
+                                      "quantization of the routed experts (quantization_config)")
+            inter = down.shape[2]
+            tensor = shard_expert_part(part, reader.lazy(name), config)
+            if part == "down_proj":
+                check_shape(key, down[expert], tensor.shape)
+                down.data[expert].copy_(tensor)
+            else:
+                rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
+                check_shape(key, gate_up[expert, rows], tensor.shape)
+                gate_up.data[expert, rows].copy_(tensor)
+            expert_parts[base].add((expert, part))
+            continue
+        m = PLE_SHARD_KEY.match(name)
+        if m:
+            ple_shards[m.group(1) + ".weight"].append((int(m.group(2)), name))
+            continue
+        if name.endswith("ngram_embedding.weight_scale") and name in buffers:
+            buffers[name].copy_(_scalar(reader, name))
+            filled.add(name)
+            continue
+        if KV_SCALE.search(name):
+            continue
+        if name.endswith(SCALE_SUFFIXES) and name.rsplit(".", 1)[0] + ".weight" in params:
+            continue  # read with its weight
+        if name in params:
+            if reader.dtype(name) in QUANT_DTYPES and params[name].dtype not in QUANT_DTYPES:
+                values = _dequantize_linear(reader, name[: -len(".weight")], reader.read(name))
+                tensor = shard(name, values, config)
+                dequantized += values.numel()
+            else:
+                tensor = shard(name, reader.lazy(name), config)
+            check_shape(key, params[name], tensor.shape)
+            params[name].data.copy_(tensor)
+            filled.add(name)
+        elif name in buffers:
+            tensor = reader.read(name)
+            check_shape(key, buffers[name], tensor.shape)
+            if not torch.equal(tensor.to(buffers[name].device), buffers[name]):
+                logger.warning("%s differs from the value derived from config.json; using the checkpoint's", key)
+                buffers[name].copy_(tensor)
+        else:
+            unexpected.append(key)
     bar.close()
+    if dequantized:
+        logger.info("dequantized %.2f G values of quantized dense layers to %s at load (routed experts and "
+                    "n-gram tables stay as stored)", dequantized / 1e9, next(iter(params.values())).dtype)
+
     for name, shards in ple_shards.items():
         if name not in params:
-            unexpected.extend(key for _, _, key in shards)
+            unexpected.extend(reader.key(n) for _, n in shards)
             continue
+        target = params[name]
+        stored = {reader.dtype(n) for _, n in shards}
+        fp8 = target.dtype == torch.float8_e4m3fn
+        if fp8 != (stored == {torch.float8_e4m3fn}):
+            raise CheckpointError(f"{name}: the shards are {sorted(map(str, stored))} but config.json names "
+                                  f"{'an FP8' if fp8 else 'no FP8'} n-gram table")
+        scale_name = name[: -len(".weight")] + ".weight_scale"
+        if fp8 and scale_name not in reader.index:
+            raise CheckpointError(f"the FP8 n-gram table {name} has no {scale_name}")
         if skip_ple_tables:
             filled.add(name)
             continue
         shards.sort()
-        indices = [i for i, _, _ in shards]
+        indices = [i for i, _ in shards]
         if indices != list(range(len(shards))):
             raise CheckpointError(f"{name}: PLE shards {indices} are not numbered 0..{len(shards) - 1}")
-        target, row = params[name], 0
-        for _, file, key in shards:
-            with safe_open(file, framework="pt") as f:
-                part = shard(name, LazySlice(f.get_slice(key)), config)
+        row = 0
+        for _, shard_name in shards:
+            part = shard(name, reader.lazy(shard_name), config)
             if part.dim() != 2 or part.shape[1] != target.shape[1] or row + part.shape[0] > target.shape[0]:
                 raise CheckpointError(
-                    f"tensor {key} has shape {list(part.shape)}; the shards of {name} must stack to "
-                    f"{list(target.shape)}"
+                    f"tensor {reader.key(shard_name)} has shape {list(part.shape)}; the shards of {name} must stack "
+                    f"to {list(target.shape)}"
                 )
             target.data[row:row + part.shape[0]].copy_(part)
             row += part.shape[0]
@@ -254,3 +603,6 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
     missing = sorted(set(params) - filled)
     if missing:
         raise CheckpointError(f"missing tensors in the checkpoint: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+    scales = sorted(n for n in buffers if n.endswith("ngram_embedding.weight_scale") and n not in filled)
+    if scales:
+        raise CheckpointError(f"missing tensors in the checkpoint: {scales[:6]}")

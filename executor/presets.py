@@ -197,22 +197,74 @@ def write_tokenizer(out: str, model_max_length: int = 32768) -> None:
         f.write(CHAT_TEMPLATE)
 
 
-def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
-                     overrides: dict | None = None) -> str:
+def write_checkpoint(preset: str | None, out: str, seed: int = 0, weights: bool = True,
+                     overrides: dict | None = None, quantize: str | None = None, source: str | None = None) -> str:
     """Write config.json, generation_config.json, tokenizer files and (unless ``weights=False``)
-    bf16 safetensors shards with seeded random weights. Returns ``out``."""
-    data = preset_config(preset)
+    safetensors shards: the ``preset``'s seeded random weights in bf16, or the dense checkpoint ``source``'s
+    tensors; with ``quantize`` (``nvfp4``, ``fp8``) its routed experts and n-gram table in that published layout
+    (:func:`~tidal.executor.quant_writer.quantized_tensors`). Returns ``out``."""
+    from .quant_writer import copy_source_files, quantization_files, quantized_tensors, source_tensors
+
+    if source is not None:
+        with open(os.path.join(source, "config.json")) as f:
+            data = json.load(f)
+        if data.get("quantization_config") or os.path.exists(os.path.join(source, "hf_quant_config.json")):
+            raise ValueError(f"--from {source}: the checkpoint is quantized already; give a dense one")
+    else:
+        data = preset_config(preset)
     data.update(overrides or {})
     config = ModelConfig.from_dict(data)
     os.makedirs(out, exist_ok=True)
+    if source is not None:
+        copy_source_files(source, out)
+    else:
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT}, f, indent=2)
+        write_tokenizer(out, config.max_position_embeddings)
+    if quantize is not None:
+        data = quantization_files(out, data, config, quantize, prefix=_module_prefix(source))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(data, f, indent=2)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [IM_END, ENDOFTEXT], "pad_token_id": ENDOFTEXT}, f, indent=2)
-    write_tokenizer(out, config.max_position_embeddings)
     if not weights:
         return out
+    if source is not None:
+        tensors = source_tensors(source)
+        desc = f"writing {os.path.basename(os.path.normpath(source))}"
+    else:
+        tensors = _preset_tensors(config, seed)
+        desc = f"writing {preset} checkpoint"
+    if quantize is not None:
+        tensors = quantized_tensors(tensors, config, quantize)
+    _write_shards(out, tensors, desc)
+    return out
+
+
+def _module_prefix(source: str | None) -> str:
+    """``model.`` or, for a composite (vision-language) checkpoint, the prefix its text layers carry."""
+    if source is None:
+        return "model."
+    from .quant_writer import source_keys
+
+    for key in source_keys(source):
+        if ".layers." in key and key.endswith(".mlp.gate.weight"):
+            return key[: key.index("layers.")]
+    return "model."
+
+
+def _preset_tensors(config: ModelConfig, seed: int):
+    """``(checkpoint key, tensor)`` of a preset's seeded random weights, as ``save_pretrained`` names them."""
     model = empty_model(config, "meta", torch.bfloat16)
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)
+        yield from split_for_checkpoint(name, tensor, config)
+    for layer in config.ple_layers:  # the hashing buffers, as save_pretrained writes them
+        for name, value in hashing_constants(config, config.ple_layers.index(layer)).items():
+            yield f"model.layers.{layer}.ple.ple_embedding.{name}", value
+
+
+def _write_shards(out: str, tensors, desc: str) -> None:
     files: list[tuple[str, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -224,23 +276,16 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
         files.append((path, list(shard)))
         shard, size = {}, 0
 
-    named = list(model.named_parameters())
-    for name, param in progress(named, desc=f"writing {preset} checkpoint", unit="tensor"):
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)
-        for key, part in split_for_checkpoint(name, tensor, config):
-            if size and size + part.numel() * 2 > SHARD_BYTES:
-                flush()
-            shard[key] = part.contiguous().clone()
-            size += part.numel() * 2
-    for layer in config.ple_layers:  # the hashing buffers, as save_pretrained writes them
-        for name, value in hashing_constants(config, config.ple_layers.index(layer)).items():
-            shard[f"model.layers.{layer}.ple.ple_embedding.{name}"] = value
+    for key, tensor in progress(tensors, desc=desc, unit="tensor"):
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            flush()
+        shard[key] = tensor.contiguous().clone()
+        size += nbytes
     flush()
     if len(files) == 1:
         os.replace(files[0][0], os.path.join(out, "model.safetensors"))
-        return out
+        return
     weight_map = {}
     for i, (path, keys) in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -248,4 +293,3 @@ def write_checkpoint(preset: str, out: str, seed: int = 0, weights: bool = True,
         weight_map.update({k: file for k in keys})
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-    return out

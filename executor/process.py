@@ -61,7 +61,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     inbound: Pull = Pull(ctx, args.bind_addr(args.executor_addrs()[rank]), ExecutorInbound, bind=True)
     results: Push = Push(ctx, args.scheduler_addr)
     control: Push = Push(ctx, args.control_addr)
-    config = ModelConfig.from_file(model_path)
+    config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
     sizes = pool_sizes(args, config)
     device = args.resolved_device()
     if args.tp > 1:

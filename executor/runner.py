@@ -15,6 +15,7 @@ from ..kernels.backend import forces_torch
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
 from ..runtime.faults import SCRIPTED, scripted_output
 from ..scheduler.chunking import chunk_bounds
+from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
@@ -465,7 +466,8 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     device = device or args.resolved_device()
     dtype = resolve_dtype(args.dtype, config, device)
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
-                          moe_strategy=args.moe_strategy, ple_backend=args.ple_backend)
+                          moe_strategy=args.moe_strategy, ple_backend=args.ple_backend,
+                          quantization=args.quantization)
     # One page and one slot beyond the scheduler's counts: the padding rows of decode graphs.
     kv = KVPool(config, sizes.num_pages + 1, sizes.page_size, device, dtype)
     states = StatePool(config, sizes.num_slots + 1, device, dtype)
@@ -489,8 +491,8 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     if args.moe_strategy == "offload":
         experts = {layer.layer_idx: layer.mlp.experts for layer in model.model.layers}
         slots = args.moe_cache_slots or expert_cache_auto(args, config, kv, experts, device)
-        store = ExpertStore({i: e.gate_up_proj.data for i, e in experts.items()},
-                            {i: e.down_proj.data for i, e in experts.items()}, slots, device)
+        store = ExpertStore({i: e.gate_up for i, e in experts.items()}, {i: e.down for i, e in experts.items()},
+                            slots, device)
         for e in experts.values():
             e.store = store
     runner = ModelRunner(model, config, kv, states, device, seed=args.seed, expert_store=store, model_path=model_path)
@@ -522,7 +524,7 @@ def expert_cache_auto(args, config: ModelConfig, kv: KVPool, experts: dict, devi
     if torch.device(device).type != "cuda":
         return total
     one = next(iter(experts.values()))
-    expert_bytes = (one.gate_up_proj[0].numel() + one.down_proj[0].numel()) * one.gate_up_proj.element_size()
+    expert_bytes = quant.expert_bytes(one.gate_up) + quant.expert_bytes(one.down)
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     free -= (args.kv_reserve_tokens or 0) * kv.bytes_per_token() + 2 * config.num_experts * expert_bytes
     slots = int(free * 0.9) // expert_bytes

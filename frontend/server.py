@@ -87,7 +87,7 @@ def _sse(data) -> bytes:
 class Frontend:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
-        config = ModelConfig.from_file(model_path)
+        config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
         sizes = pool_sizes(args, config)
         self.tokenizer = load_tokenizer(model_path)
         max_token_bytes = max((len(self.tokenizer.token_bytes(i)) for i in range(self.tokenizer.n_vocab)), default=0)

@@ -190,10 +190,14 @@ def serve(args: ServerArgs) -> int:
         logger.info("no --model: serving the built-in demo checkpoint %s (random weights: its answers are "
                     "noise)", model_path)
         args = args.replace(served_model_name=args.served_model_name or "tidal-demo")
-    from ..config.model import ModelConfig
+    from ..config.model import ConfigError, ModelConfig
     from ..executor.memory.fit import check_fits
 
-    config = ModelConfig.from_file(model_path)
+    try:
+        config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
     mesh = Mesh(args, model_path)
     mesh.prestart()
     try:

@@ -11,6 +11,7 @@ from ...kernels.backend import use_triton
 from ...kernels.gemv import linear
 from ...kernels.moe import add_shared, fused_experts, gemv_applies, route
 from ..distributed import split
+from ..quant import PARTS, QuantTensor, dense, empty_experts, stacked_block_rows
 from .linear import Linear, StackedWeight
 
 
@@ -40,26 +41,63 @@ class SharedExpert(nn.Module):
 
 class RoutedExperts(nn.Module):
     """A layer's experts as fused 3-D tensors: ``gate_up_proj[e]`` is ``[2 * I, H]`` (gate rows first),
-    ``down_proj[e]`` is ``[H, I]``.
+    ``down_proj[e]`` is ``[H, I]``; in a quantized checkpoint's format (``fmt``: ``nvfp4`` or ``fp8``) they are
+    :class:`~tidal.executor.quant.QuantTensor` stacks whose parts are this module's buffers
+    (``gate_up_proj_data``, ``gate_up_proj_scale``, ...), dequantized only inside the expert computation.
 
     ``--moe-strategy resident``: the tensors are on the device and used directly. ``offload``: they
     are this layer's host bank, and ``store`` (an :class:`~tidal.executor.offload.experts.ExpertStore`
     shared by all layers) brings the routed experts to the device.
     """
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer_idx: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, layer_idx: int, fmt: str | None = None):
         super().__init__()
-        self.num_experts, self.layer_idx = num_experts, layer_idx
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+        self.num_experts, self.layer_idx, self.fmt = num_experts, layer_idx, fmt
+        self.hidden, self.intermediate = hidden, intermediate
         self.store = None
+        if fmt is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+            return
+        for proj, (parts, cols) in self.layout().items():
+            q = empty_experts(fmt, num_experts, parts, cols, "meta")
+            for part, tensor in zip(PARTS, (q.data, q.scale, q.scale_2), strict=True):
+                if tensor is not None:
+                    self.register_buffer(f"{proj}_{part}", tensor)
+            if q.block_rows is not None:
+                self.register_buffer(f"{proj}_block_rows", stacked_block_rows(parts))
+
+    def layout(self) -> dict[str, tuple[list[int], int]]:
+        """Per fused tensor: the rows of each checkpoint tensor stacked into it, and its columns."""
+        return {"gate_up_proj": ([self.intermediate, self.intermediate], self.hidden),
+                "down_proj": ([self.hidden], self.intermediate)}
+
+    def storage(self) -> list[str]:
+        """The buffers that hold quantized weights (allocated when the model is built, like parameters)."""
+        return [n for n, _ in self.named_buffers(recurse=False) if not n.endswith("_block_rows")]
+
+    def weight(self, proj: str) -> torch.Tensor | QuantTensor:
+        """``gate_up_proj`` or ``down_proj``: the parameter, or the :class:`QuantTensor` over the buffers."""
+        if self.fmt is None:
+            return getattr(self, proj)
+        parts = [getattr(self, f"{proj}_{part}", None) for part in PARTS]
+        block_rows = getattr(self, f"{proj}_block_rows", None)
+        return QuantTensor(self.fmt, parts[0], parts[1], parts[2], block_rows, self.layout()[proj][1])
+
+    @property
+    def gate_up(self) -> torch.Tensor | QuantTensor:
+        return self.weight("gate_up_proj")
+
+    @property
+    def down(self) -> torch.Tensor | QuantTensor:
+        return self.weight("down_proj")
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The routed experts' weighted sum, plus ``shared`` (see :func:`~tidal.kernels.moe.add_shared`)."""
         if self.store is not None:
             return add_shared(self.store.forward(self.layer_idx, x, ids, weights), shared)
-        return fused_experts(x, ids, weights, self.gate_up_proj, self.down_proj, shared)
+        return fused_experts(x, ids, weights, dense(self.gate_up, x.dtype), dense(self.down, x.dtype), shared)
 
 
 class SparseMoE(nn.Module):
@@ -71,7 +109,8 @@ class SparseMoE(nn.Module):
         # Under tensor parallelism each rank holds a slice of every expert's intermediate dimension,
         # and the output is a partial sum that the decoder layer reduces.
         self.experts = RoutedExperts(c.num_experts, c.hidden_size,
-                                     split(c.moe_intermediate_size, "moe_intermediate_size")[1], layer_idx)
+                                     split(c.moe_intermediate_size, "moe_intermediate_size")[1], layer_idx,
+                                     c.quantization.experts if c.quantization is not None else None)
         self.shared_expert = SharedExpert(
             c.hidden_size, split(c.shared_expert_intermediate_size, "shared_expert_intermediate_size")[1])
         self.shared_expert_gate = Linear(c.hidden_size, 1)
@@ -80,7 +119,7 @@ class SparseMoE(nn.Module):
         """``decode``: every row decodes a generated token (small such batches take the GEMV kernels)."""
         weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
-        if decode and experts.store is None and gemv_applies(x, experts.gate_up_proj):
+        if decode and experts.store is None and experts.fmt is None and gemv_applies(x, experts.gate_up_proj):
             # Small decode batches: routed and shared experts, gate and sum in three GEMV-shaped launches.
             from ...kernels.moe_decode_triton import moe_gemv
 

@@ -51,6 +51,16 @@ class NGramEmbedding(nn.Module):
                         split(self.dim_per_head, "the PLE embedding dimension per head")[1]),
             requires_grad=False
         )
+        # An FP8 table (a quantized checkpoint's) is kept in FP8 wherever it lives, with its one scale.
+        self.fp8 = c.quantization is not None and c.quantization.ngram is not None
+        if self.fp8:
+            self.ngram_embedding.register_buffer("weight_scale", torch.ones((), dtype=torch.float32))
+
+    def dequantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Gathered rows as values: an FP8 table's rows times its scale (fp32), others as they are."""
+        if not self.fp8:
+            return rows
+        return rows.float() * self.ngram_embedding.weight_scale
 
     def row_ids(self, batch: ForwardBatch) -> torch.Tensor:
         """The table rows of every token of ``batch``, ``[T, heads]`` (long, on the batch's device)."""
@@ -64,6 +74,7 @@ class NGramEmbedding(nn.Module):
             emb = self.ngram_embedding.weight[rows]
         else:
             emb = self.table.gather(rows)
+        emb = self.dequantize(emb)
         if emb.shape[-1] == self.dim_per_head:  # a disk table reads whole rows on every rank
             return emb.flatten(-2)
         # Under tensor parallelism each rank holds a slice of every row: gather the full rows.
@@ -95,7 +106,8 @@ class PLELayer(nn.Module):
         """The PLE output ``[T, hc * hidden]`` to add to ``streams``; ``query`` is ``norm_query(streams)``
         when the caller computed it already (with the residual add that produced ``streams``)."""
         ahead = batch.ple_rows.get(self.layer_idx)
-        emb = (ahead() if ahead is not None else self.ple_embedding(batch)).to(streams.dtype)
+        emb = (self.ple_embedding.dequantize(ahead()) if ahead is not None else self.ple_embedding(batch))
+        emb = emb.to(streams.dtype)
         if query is None:
             query = self.norm_query(streams)
         gated, normed = ple_gate(self.key_proj(emb), query, self.value_proj(emb), self.norm_key.weight,

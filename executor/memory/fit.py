@@ -9,7 +9,7 @@ import torch
 from ...config.model import ModelConfig
 from ...config.pools import pool_sizes
 from ...config.server_args import ArgsError, ServerArgs
-from ..loader import host_resident, resolve_dtype
+from ..loader import host_resident, resolve_dtype, stored_dtype
 from ..models.qwen4_exp import Qwen4ExpForCausalLM
 from .kv_cache import KVPool
 from .state_slots import StatePool
@@ -22,19 +22,20 @@ def memory_plan(args: ServerArgs, config: ModelConfig, device: str) -> dict[str,
     pool and the state slots (the module tree and pools built on the meta device: nothing allocated)."""
     sizes = pool_sizes(args, config)
     dtype = resolve_dtype(args.dtype, config, device)
-    width = torch.empty((), dtype=dtype).element_size()
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
     on_device = on_host = 0
-    for name, param in model.named_parameters():
+    tensors = [(n, p.numel() * stored_dtype(n, config, dtype).itemsize) for n, p in model.named_parameters()]
+    tensors += [(n, b.numel() * b.element_size()) for n, b in model.named_buffers() if ".mlp.experts." in n]
+    for name, nbytes in tensors:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         if args.ple_backend == "disk" and name.endswith("ngram_embedding.weight"):
             continue
         if host_resident(name, args.moe_strategy, args.ple_backend):
-            on_host += param.numel() * width
+            on_host += nbytes
         else:
-            on_device += param.numel() * width
+            on_device += nbytes
     kv = KVPool(config, 1, sizes.page_size, "meta", dtype).bytes_per_token() * sizes.num_pages * sizes.page_size
     state = StatePool(config, 1, "meta", dtype).bytes_per_slot() * sizes.num_slots
     # Under --tp the weights and KV heads split across the ranks (roughly evenly); state slots too.

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from ...kernels.moe import fused_experts
+from ..quant import QuantTensor, dense, expert_bytes, new_like
 
 # A batch whose cache misses exceed this fraction of a layer's experts streams the whole layer (one
 # large copy, and the next layer prefetched) instead of copying expert by expert.
@@ -34,23 +35,23 @@ class ExpertStore:
     """Every layer's experts in host memory, served to the device through a cache and layer buffers.
 
     Args:
-        host_gate_up, host_down: per MoE layer, ``[E, 2I, H]`` and ``[E, H, I]`` host tensors.
+        host_gate_up, host_down: per MoE layer, ``[E, 2I, H]`` and ``[E, H, I]`` host tensors, or
+            :class:`~tidal.executor.quant.QuantTensor` stacks in a checkpoint's format (the cache and the layer
+            buffers then hold that format too, and a copy moves its bytes).
         num_slots: experts the device cache holds.
     """
 
-    def __init__(self, host_gate_up: dict[int, torch.Tensor], host_down: dict[int, torch.Tensor], num_slots: int,
-                 device: torch.device | str):
+    def __init__(self, host_gate_up: dict[int, torch.Tensor | QuantTensor],
+                 host_down: dict[int, torch.Tensor | QuantTensor], num_slots: int, device: torch.device | str):
         self.device = torch.device(device)
         self.gate_up, self.down = host_gate_up, host_down
         self.layers = sorted(host_gate_up)
         first = host_gate_up[self.layers[0]]
         self.num_experts = first.shape[0]
-        self.dtype = first.dtype
-        self.expert_bytes = (first[0].numel() + host_down[self.layers[0]][0].numel()) * first.element_size()
+        self.expert_bytes = expert_bytes(first) + expert_bytes(host_down[self.layers[0]])
         self.num_slots = num_slots
-        self.cache_gate_up = torch.empty((num_slots, *first.shape[1:]), dtype=self.dtype, device=self.device)
-        self.cache_down = torch.empty((num_slots, *host_down[self.layers[0]].shape[1:]), dtype=self.dtype,
-                                      device=self.device)
+        self.cache_gate_up = new_like(first, num_slots, self.device)
+        self.cache_down = new_like(host_down[self.layers[0]], num_slots, self.device)
         self._lru: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._free = list(range(num_slots))
         self._buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -69,7 +70,7 @@ class ExpertStore:
     # ---- what the MoE layer calls ----------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gate_up, down, local_ids = self._experts_for(layer, ids)
-        return fused_experts(x, local_ids, weights, gate_up, down)
+        return fused_experts(x, local_ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype))
 
     @contextmanager
     def hold(self):
@@ -116,6 +117,12 @@ class ExpertStore:
             return (*self._layer(layer), ids)
         slots = self._cache(layer, experts)
         remap = torch.full((self.num_experts,), -1, dtype=torch.long)
+        if isinstance(self.cache_gate_up, QuantTensor):
+            # Dequantized per use: only the slots this batch routes to, numbered 0..n-1.
+            index = torch.tensor(slots, dtype=torch.long).to(self.device)
+            remap[experts] = torch.arange(len(experts), dtype=torch.long)
+            return (self.cache_gate_up.index_select(0, index), self.cache_down.index_select(0, index),
+                    remap.to(self.device)[ids])
         remap[experts] = torch.tensor(slots, dtype=torch.long)
         return self.cache_gate_up, self.cache_down, remap.to(self.device)[ids]
 
@@ -170,8 +177,8 @@ class ExpertStore:
         """The buffer holding ``layer``, its copy started here if it is in neither."""
         if not self._buffers:
             for _ in range(2):
-                self._buffers.append((torch.empty_like(self.gate_up[layer], device=self.device),
-                                      torch.empty_like(self.down[layer], device=self.device)))
+                self._buffers.append((new_like(self.gate_up[layer], self.num_experts, self.device),
+                                      new_like(self.down[layer], self.num_experts, self.device)))
         if layer not in self._buffer_layer:
             self._fill(self._buffer_layer.index(None) if None in self._buffer_layer else
                        self._oldest_buffer(layer), layer)

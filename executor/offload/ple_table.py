@@ -36,6 +36,7 @@ _ST_DTYPES: dict[str, tuple[type[np.generic], torch.dtype]] = {
     "BF16": (np.int16, torch.bfloat16),
     "F16": (np.int16, torch.float16),
     "F32": (np.float32, torch.float32),
+    "F8_E4M3": (np.uint8, torch.float8_e4m3fn),  # a quantized checkpoint's table: rows times its one scale
 }
 # Refuse absurd header lengths (safetensors itself caps them at 100 MB) instead of reading a corrupt file whole.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
