@@ -23,6 +23,7 @@ def cache_dir() -> str:
 @dataclass(frozen=True)
 class ServerArgs:
     model: str | None = None
+    revision: str | None = None  # of a Hugging Face repository named by --model
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -207,7 +208,10 @@ def _optional_int(text: str) -> int | None:
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in demo)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory, or a Hugging Face repository id (owner/name) read from the hub cache "
+                        "and downloaded there first unless HF_HUB_OFFLINE is set (default: the built-in demo)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a --model repository id")
     p.add_argument("--served-model-name", default=None,
                    help="the model id in the API (default: the checkpoint directory's name; tidal-demo for the demo)")
     p.add_argument("--host", default=d.host, help="address the HTTP server listens on")

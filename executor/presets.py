@@ -62,7 +62,30 @@ PRESETS: dict[str, dict] = {
         ngram_vocab_size_base=200003, split_ngram_parts=16,
         indexer_n_heads=16, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=64,
     ),
+    # The published geometry of Qwen3.8-Flash-Next (config-only: its random weights in bf16 would be ~0.5 TB; serve
+    # it with --load-format random --quantization nvfp4|fp8). Every value is the released text config's
+    # (Qwen/Qwen3.8-Flash-Next config.json, as FreeToken's tests/models/test_qwen4_exp_raw_config.py, NInfer's
+    # docs/maintainer/qwen4_exp-model.md "Released geometry" and SGLang's configs/qwen4_exp.py carry it): 48
+    # layers, attention every 4th (12 layers), hidden 2560, 24 query and 2 KV heads of 256, GDN 16 key and 48
+    # value heads of 128, 512 experts of 640 with top-10 and a 640 shared expert, hc 4 of low rank 320, one PLE
+    # layer (one-indexed 2) of 16 heads x 160 over 2 x 10^7-based prime vocabularies in 128 shards (320,001,536
+    # rows: 47.7 GiB in FP8), QSA 4 index heads of 128, budget 2048, compress ratio 4, context 262,144, EOS
+    # 248044. Its rope is mrope (sections [11, 11, 10]), which for text positions is the plain rotary used here;
+    # norm_topk_prob and seed are absent from the released file, so transformers' defaults (true, 1234) hold.
+    "flash-next": dict(
+        hidden_size=2560, num_hidden_layers=48, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+        moe_intermediate_size=640, shared_expert_intermediate_size=640, num_experts=512, num_experts_per_tok=10,
+        hc_count=4, hc_lowrank=320, ple_layer_ids=[2], ple_embed_dim=2560, heads_per_ngram=8,
+        ngram_vocab_size_base=20000000, split_ngram_parts=128, output_gate_type="sigmoid",
+        indexer_n_heads=4, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        max_position_embeddings=262144, eos_token_id=ENDOFTEXT,
+    ),
 }
+# Presets written as config and tokenizer only (their weights are generated where they are served).
+CONFIG_ONLY = ("flash-next",)
 
 # The chat template ``tidal checkpoint`` writes: ChatML, with tools and reasoning in the style of
 # Qwen3's template. Given ``tools``, a system turn lists their JSON signatures and the
@@ -212,6 +235,9 @@ def write_checkpoint(preset: str | None, out: str, seed: int = 0, weights: bool 
             raise ValueError(f"--from {source}: the checkpoint is quantized already; give a dense one")
     else:
         data = preset_config(preset)
+        if weights and preset in CONFIG_ONLY:
+            raise ValueError(f"--preset {preset} is written as config and tokenizer only (--config-only): serve it with "
+                             "--load-format random, e.g. with --quantization nvfp4")
     data.update(overrides or {})
     config = ModelConfig.from_dict(data)
     os.makedirs(out, exist_ok=True)

@@ -73,9 +73,10 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         check_agreement(args, config, rank)
     runner = build_runner(args, config, sizes, model_path, device=device)
     control.send(Ready(role=f"executor-{rank}"))
-    logger.info("rank %d ready on %s (%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,
-                str(next(runner.model.parameters()).dtype).replace("torch.", ""), runner.kv.bytes_per_token(),
-                runner.states.bytes_per_slot())
+    logger.info("rank %d ready on %s (%s%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,
+                str(next(runner.model.parameters()).dtype).replace("torch.", ""),
+                f", {config.quantization.label}" if config.quantization is not None else "",
+                runner.kv.bytes_per_token(), runner.states.bytes_per_slot())
     BatchLoop(args, rank, runner, inbound, results, control).run()
 
 

@@ -95,6 +95,8 @@ class Frontend:
                              kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size,
                              default_max_tokens=args.default_max_tokens, max_token_bytes=max_token_bytes,
                              max_requests=args.max_running_requests + args.max_queued_requests)
+        # The stored format of the weights, as /v1/models reports it (null: the checkpoint's float dtype).
+        self.quantization = config.quantization.label if config.quantization is not None else None
         self.metrics = Metrics()
         self.answers = AnswerMemory()
         self.client = EngineClient(args.scheduler_addr, args.bind_addr(args.frontend_addr), self.metrics)
@@ -159,7 +161,7 @@ class Frontend:
     async def models(self, request: web.Request) -> web.Response:
         return _json({"object": "list", "data": [{
             "id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "tidal",
-            "max_model_len": self.limits.max_model_len}]})
+            "max_model_len": self.limits.max_model_len, "quantization": self.quantization}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)

@@ -14,7 +14,31 @@ import torch.nn.functional as F
 
 from .backend import use_triton
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# torch's grouped GEMM takes at most this many groups a call (an expert cache holds more slots than that).
+MAX_GROUPS = 1024
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM of rows ``a`` (grouped by the cumulative ``offs``) against ``b [G, K, N]``, for any
+    number of groups. Beyond :data:`MAX_GROUPS` it runs once per range of groups: each range's rows (consecutive)
+    are shifted to start at row 0 and its offsets with them, the results shifted back. Fixed shapes throughout, no
+    host sync and no copy of ``b``."""
+    groups = b.shape[0]
+    if groups <= MAX_GROUPS:
+        return _torch_grouped_mm(a, b, offs=offs)
+    out = torch.zeros((a.shape[0], b.shape[-1]), dtype=a.dtype, device=a.device)
+    rows = torch.arange(a.shape[0], device=a.device)
+    last = a.shape[0] - 1
+    for g0 in range(0, groups, MAX_GROUPS):
+        g1 = min(groups, g0 + MAX_GROUPS)
+        start = offs[g0 - 1] if g0 else offs.new_zeros(())
+        shifted = _torch_grouped_mm(a.index_select(0, (rows + start).clamp(max=last)), b[g0:g1],
+                                    offs=(offs[g0:g1] - start).to(offs.dtype))
+        mine = (rows >= start) & (rows < offs[g1 - 1])
+        out = torch.where(mine[:, None], shifted.index_select(0, (rows - start).clamp(min=0)), out)
+    return out
+
 
 # On CUDA, bf16 batches of at most this many (token, expert) assignments take the Triton kernel. Measured
 # on the H200 at the bench shapes (benchmarks/bench_forward.py --kernels): at 8 tokens the Triton kernel took
@@ -81,7 +105,7 @@ def fused_experts_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """torch's grouped GEMM takes bf16 on CUDA, and any float dtype on the CPU."""
-    if _grouped_mm is None:
+    if _torch_grouped_mm is None:
         return False
     return x.dtype == torch.bfloat16 or not x.is_cuda
 

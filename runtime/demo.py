@@ -37,16 +37,49 @@ def demo_checkpoint() -> str:
     return path
 
 
-def checkpoint_path(model: str | None) -> str:
-    """The checkpoint a mesh serves: ``--model``, checked to be a directory holding a readable Qwen4-Exp
-    config, or the demo checkpoint. An ``ArgsError`` names ``--model`` and what is wrong."""
+def hub_snapshot(repo: str, revision: str | None) -> str:
+    """The local directory of Hugging Face repository ``repo`` at ``revision``: from the hub cache
+    (``HF_HUB_CACHE``), downloaded first unless ``HF_HUB_OFFLINE`` is set. An ``ArgsError`` in one line when the
+    repository, revision or a file cannot be had."""
+    from ..config.server_args import ArgsError
+
+    try:
+        from huggingface_hub import errors, snapshot_download
+    except ImportError:
+        raise ArgsError(f"--model {repo}: not a directory, and huggingface_hub is not installed to fetch it") from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    where = f"--model {repo}" + (f" --revision {revision}" if revision else "")
+    try:
+        return snapshot_download(repo, revision=revision, local_files_only=offline,
+                                 allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.tiktoken", "*.txt"])
+    except errors.HFValidationError:
+        raise ArgsError(f"--model {repo}: not a directory, nor a Hugging Face repository id (owner/name)") from None
+    except errors.RepositoryNotFoundError:
+        raise ArgsError(f"{where}: no such repository on the Hugging Face Hub (or it needs a token: HF_TOKEN)") \
+            from None
+    except errors.RevisionNotFoundError:
+        raise ArgsError(f"{where}: no such revision") from None
+    except errors.LocalEntryNotFoundError:
+        state = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
+        raise ArgsError(f"{where}: not in the Hugging Face cache ({os.environ.get('HF_HUB_CACHE') or 'the default'}) "
+                        f"and {state}") from None
+    except (errors.EntryNotFoundError, errors.HfHubHTTPError, OSError) as e:
+        raise ArgsError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'download failed'}") \
+            from None
+
+
+def checkpoint_path(model: str | None, revision: str | None = None) -> str:
+    """The checkpoint a mesh serves: ``--model``, a directory holding a readable Qwen4-Exp config or a Hugging Face
+    repository id (``--revision``), or the demo checkpoint. An ``ArgsError`` names ``--model`` and what is wrong."""
     from ..config.model import ConfigError, ModelConfig
     from ..config.server_args import ArgsError
 
     if model is None:
         return demo_checkpoint()
     if not os.path.isdir(model):
-        raise ArgsError(f"--model {model}: not a directory")
+        if os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") != 1:
+            raise ArgsError(f"--model {model}: not a directory")
+        model = hub_snapshot(model, revision)
     try:
         ModelConfig.from_file(model)
     except ConfigError as e:

@@ -263,7 +263,7 @@ def run_command(ns: argparse.Namespace) -> int:
     setup_logging(plan.args.log_level, plan.name)
     set_process_name(f"tidal-{plan.name}")
     try:
-        path = checkpoint_path(plan.args.model)
+        path = checkpoint_path(plan.args.model, plan.args.revision)
         if plan.role == "frontend":
             from .serve import port_free
 

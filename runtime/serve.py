@@ -182,7 +182,7 @@ def serve(args: ServerArgs) -> int:
     setup_logging(args.log_level, "serve")
     set_process_name("tidal-serve")
     try:
-        model_path = checkpoint_path(args.model)
+        model_path = checkpoint_path(args.model, args.revision)
     except ArgsError as e:
         logger.error("%s", e)
         return 2

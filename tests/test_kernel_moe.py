@@ -68,3 +68,21 @@ def test_shared_expert_added_on_the_cpu_path():
     shared = (torch.randn(5, 64, generator=g), torch.rand(5, 1, generator=g))
     expect = fused_experts_ref(x, ids, w, gu, d) + shared[1] * shared[0]
     assert torch.allclose(fused_experts(x, ids, w, gu, d, shared), expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_more_experts_than_one_grouped_gemm_takes_cpu(tokens):
+    """An expert cache of more than 1,024 slots: torch's grouped GEMM takes at most 1,024 groups a call."""
+    from tidal.kernels.moe import MAX_GROUPS
+
+    x, ids, w, gu, d = _case(tokens, 2 * MAX_GROUPS + 300, 4, 32, 16, "cpu", torch.float32)
+    ref = fused_experts_ref(x, ids, w, gu, d)
+    assert (fused_experts(x, ids, w, gu, d) - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_more_experts_than_one_grouped_gemm_takes_bf16_gpu():
+    x, ids, w, gu, d = _case(4099, 2300, 10, 2048, 512, "cuda", torch.bfloat16)
+    ref = fused_experts_ref(x.float(), ids, w.float(), gu.float(), d.float())
+    err = (fused_experts(x, ids, w, gu, d).float() - ref).norm() / ref.norm()
+    assert err.item() <= 2e-2
