@@ -13,13 +13,14 @@ import torch
 from safetensors import safe_open
 
 from ..config.model import ModelConfig
+from ..kernels.quant import E4M3_MAX, quantize_fp8_tensor
 from .distributed import single_rank, split, tp
 from .distributed.shard import LazySlice, shard, shard_expert_part
 from .layers.moe import RoutedExperts
 from .models import Qwen4ExpForCausalLM
 from .progress import progress
 from .quant import QuantTensor, quantize_experts, stacked_block_rows
-from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_tensor
+from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_table_chunks, random_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -150,14 +151,8 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = full_shapes[name] if full_shapes else tuple(param.shape)
-        if param.dtype == torch.float8_e4m3fn:  # an FP8 n-gram table: one scale for the whole (full) table
-            from ..kernels.quant import quantize_fp8_tensor
-
-            full = random_tensor(name, shape, config, seed, device=device).to(stored)
-            values, scale = quantize_fp8_tensor(full)
-            param.data.copy_(shard(name, values, config))
-            model.get_buffer(name + "_scale").copy_(scale)
-            del full, values
+        if name.endswith("ngram_embedding.weight"):
+            _fill_random_table(model, name, param, shape, config, seed, device, stored)
             continue
         value = shard(name, random_tensor(name, shape, config, seed, device=device), config)
         param.data.copy_(value.to(stored))
@@ -176,6 +171,28 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
     bar.close()
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _fill_random_table(model: Qwen4ExpForCausalLM, name: str, param: torch.Tensor, shape: tuple[int, ...],
+                       config: ModelConfig, seed: int, device: str | torch.device, stored: torch.dtype) -> None:
+    """An n-gram table's random values, drawn and stored a chunk of rows at a time; an FP8 table takes one scale,
+    ``amax / 448`` over the whole table, found in a first pass over the same chunks."""
+    def chunks():
+        for start, rows in random_table_chunks(name, shape, config, seed, device):
+            yield start, shard(name, rows.to(stored), config)
+
+    if param.dtype != torch.float8_e4m3fn:
+        for start, rows in chunks():
+            param.data[start:start + rows.shape[0]].copy_(rows)
+        return
+    amax = torch.zeros((), dtype=torch.float32, device=device)
+    for _, rows in random_table_chunks(name, shape, config, seed, device):
+        amax = torch.maximum(amax, rows.to(stored).float().abs().amax())
+    _, scale = quantize_fp8_tensor(amax)
+    for start, rows in chunks():
+        param.data[start:start + rows.shape[0]].copy_((rows.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
+                                                      .to(torch.float8_e4m3fn))
+    model.get_buffer(name + "_scale").copy_(scale)
 
 
 def store_experts(module: RoutedExperts, proj: str, full: QuantTensor, config: ModelConfig) -> None:

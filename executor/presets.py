@@ -236,8 +236,8 @@ def write_checkpoint(preset: str | None, out: str, seed: int = 0, weights: bool 
     else:
         data = preset_config(preset)
         if weights and preset in CONFIG_ONLY:
-            raise ValueError(f"--preset {preset} is written as config and tokenizer only (--config-only): serve it with "
-                             "--load-format random, e.g. with --quantization nvfp4")
+            raise ValueError(f"--preset {preset} is written as config and tokenizer only (--config-only): "
+                             "serve it with --load-format random, e.g. with --quantization nvfp4")
     data.update(overrides or {})
     config = ModelConfig.from_dict(data)
     os.makedirs(out, exist_ok=True)

@@ -38,16 +38,33 @@ def _stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
+# An n-gram table is drawn in chunks of this many rows, each from its own seed, so that a table of billions of
+# values (the real geometry's: 320 M rows) is never whole in fp32 on the device.
+TABLE_CHUNK_ROWS = 1 << 20
+
+
+def random_table_chunks(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
+                        device: torch.device | str = "cpu"):
+    """Yield ``(first_row, rows)`` of n-gram table ``name``'s seeded fp32 values, ``TABLE_CHUNK_ROWS`` at a time;
+    their concatenation is ``random_tensor(name, shape, ...)``."""
+    for start in range(0, shape[0], TABLE_CHUNK_ROWS):
+        rows = (min(TABLE_CHUNK_ROWS, shape[0] - start), *shape[1:])
+        yield start, random_tensor(name, rows, config, seed, device, stream=f"{name}@{start}" if start else name)
+
+
 def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """A seeded random fp32 value for parameter ``name``, independent of creation order.
+                  device: torch.device | str = "cpu", stream: str | None = None) -> torch.Tensor:
+    """A seeded random fp32 value for parameter ``name``, independent of creation order (``stream``: the name the
+    seed is taken from, by default ``name``).
 
     Scales keep activations O(1) through every path; nothing is left at a value that would make
     a path a no-op (norm offsets, PLE conv and gates are all non-zero), unlike the reference's
     training init which zeroes the PLE conv and every ``1 + weight`` norm offset.
     """
+    if stream is None and name.endswith("ngram_embedding.weight") and shape[0] > TABLE_CHUNK_ROWS:
+        return torch.cat([rows for _, rows in random_table_chunks(name, shape, config, seed, device)])
     gen = torch.Generator(device=device)
-    gen.manual_seed(_stable_seed(seed, name))
+    gen.manual_seed(_stable_seed(seed, stream or name))
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean

@@ -50,7 +50,9 @@ def hub_snapshot(repo: str, revision: str | None) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     where = f"--model {repo}" + (f" --revision {revision}" if revision else "")
     try:
+        # The environment as it is now (huggingface_hub reads it once, at import).
         return snapshot_download(repo, revision=revision, local_files_only=offline,
+                                 cache_dir=os.environ.get("HF_HUB_CACHE") or None,
                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.tiktoken", "*.txt"])
     except errors.HFValidationError:
         raise ArgsError(f"--model {repo}: not a directory, nor a Hugging Face repository id (owner/name)") from None

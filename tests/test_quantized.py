@@ -174,7 +174,8 @@ def test_logits_and_greedy_ids_match_transformers_on_the_dequantized_tensors(cas
     assert cold == ref_ids
     assert llm.generate([prompt], max_tokens=GREEDY, ignore_eos=True)[0] == cold  # after a prefix-cache hit
     assert llm.scheduler.counters["cached_tokens"] > 0
-    for kwargs in (dict(max_prefill_length=64), dict(moe_strategy="offload", moe_cache_slots=config.num_experts_per_tok),
+    offload = dict(moe_strategy="offload", moe_cache_slots=config.num_experts_per_tok)
+    for kwargs in (dict(max_prefill_length=64), offload,
                    dict(ple_backend="pinned"), dict(ple_backend="disk", max_prefill_length=128)):
         if not config.ple_layers and "ple_backend" in kwargs:
             continue
@@ -201,7 +202,10 @@ def test_quantized_weights_stay_quantized_in_memory(tmp_path):
     assert store.expert_bytes == 3 * hidden * inter // 2 + 3 * hidden * inter // 16 + 4 * rows
 
 
-def test_random_quantized_weights_equal_the_written_checkpoint(tmp_path):
+def test_random_quantized_weights_equal_the_written_checkpoint(tmp_path, monkeypatch):
+    # n-gram tables drawn a few rows at a time (the real geometry's 320 M rows never whole): the FP8 scale over
+    # all chunks, the same values the writer quantizes.
+    monkeypatch.setattr("tidal.executor.weights.TABLE_CHUNK_ROWS", 100)
     for fmt in ("nvfp4", "fp8"):
         path = write_checkpoint("tiny", str(tmp_path / fmt), seed=3, quantize=fmt)
         prompt = list(range(100, 160))
@@ -210,6 +214,51 @@ def test_random_quantized_weights_equal_the_written_checkpoint(tmp_path):
         random = LLM(base, load_format="random", quantization=fmt, seed=3).generate([prompt], max_tokens=8,
                                                                                      ignore_eos=True)
         assert random == written, fmt
+
+
+def test_the_sizing_check_refuses_the_real_geometry_in_bf16_on_one_h200(monkeypatch):
+    """The flash-next shape on one H200 (139 GiB) with a 125 GiB host: NVFP4 fits resident (n-gram table pinned)
+    and offloaded; bf16 fits neither, and the refusal names the memory and the flag that helps."""
+    from types import SimpleNamespace
+
+    from tidal.config.server_args import ArgsError, ServerArgs
+    from tidal.executor.memory import fit
+    from tidal.executor.presets import preset_config
+
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=139 * GiB))
+    monkeypatch.setattr(fit, "host_memory_total", lambda: 125 * GiB)
+
+    def plan(quantization, **kwargs):
+        config = ModelConfig.from_dict(preset_config("flash-next")).with_quantization(quantization, "random")
+        args = ServerArgs(load_format="random", quantization=quantization, device="cuda", **kwargs)
+        return args, config, fit.memory_plan(args, config, "cuda")
+
+    c = ModelConfig.from_dict(preset_config("flash-next"))
+    expert_weights = c.num_hidden_layers * c.num_experts * 3 * c.moe_intermediate_size * c.hidden_size
+    assert 120e9 < expert_weights < 122e9  # ~121 G parameters in routed experts
+    table = sum(c.ngram_table_rows(i) for i in range(len(c.ple_layers))) * (c.ple_embed_dim // c.ngram_heads)
+    _, _, dense_rest = plan(None, moe_strategy="offload", ple_backend="pinned")
+    args, config, resident = plan("nvfp4", ple_backend="pinned")
+    # 4.5 bits a weight (codes and an e4m3 scale per 16) plus an fp32 scale per row; one byte a table value.
+    nvfp4 = expert_weights * 9 // 16 + 4 * c.num_hidden_layers * c.num_experts * (2 * c.moe_intermediate_size
+                                                                                     + c.hidden_size)
+    assert abs(resident["weights_device"] - dense_rest["weights_device"] - nvfp4) < 1e-3 * nvfp4
+    assert resident["weights_host"] == table
+    fit.check_fits(args, config, "cuda")
+    args, config, offloaded = plan("nvfp4", moe_strategy="offload", ple_backend="pinned")
+    assert abs(offloaded["weights_host"] - table - nvfp4) < 1e-3 * nvfp4
+    fit.check_fits(args, config, "cuda")
+    args, config, _ = plan(None)
+    with pytest.raises(ArgsError, match=r"^--dtype: the weights alone need 3\d\d\.\d GiB in .*139\.0 GiB "
+                                        r"\(a quantized checkpoint or --quantization nvfp4"):
+        fit.check_fits(args, config, "cuda")
+    args, config, _ = plan(None, moe_strategy="offload", ple_backend="pinned")
+    with pytest.raises(ArgsError, match=r"^--moe-strategy: the host-resident weights need .* the host has 125\.0 "
+                                        r"GiB \(a quantized checkpoint or --quantization nvfp4"):
+        fit.check_fits(args, config, "cuda")
 
 
 def test_tensor_parallel_quantized(tmp_path):

@@ -76,10 +76,20 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
     plan = memory_plan(args, config, device)
     weights = (plan["weights_device"] + (0 if cuda else plan["weights_host"])) * ranks
     kv, state = plan["kv"] * ranks, plan["state"] * ranks
+    dtype = args.dtype if args.dtype != "auto" else "the default dtype"
+    fmt = f"{config.quantization.label}, {dtype} for the rest" if config.quantization else dtype
+    quantize = "" if config.quantization else "a quantized checkpoint or --quantization nvfp4 with random weights, "
     if weights > have:
-        raise ArgsError(f"--dtype: the weights alone need {weights / GiB:.1f} GiB in "
-                        f"{args.dtype if args.dtype != 'auto' else 'the default dtype'}; {where} {have / GiB:.1f} GiB "
-                        f"(a smaller --dtype, more --tp ranks, or --moe-strategy offload)")
+        raise ArgsError(f"--dtype: the weights alone need {weights / GiB:.1f} GiB in {fmt}; {where} "
+                        f"{have / GiB:.1f} GiB ({quantize}a smaller --dtype, more --tp ranks, or --moe-strategy "
+                        "offload)")
+    host = host_memory_total() if cuda else None
+    host_ranks = args.tp // args.nnodes
+    if host is not None and plan["weights_host"] * host_ranks > host:
+        # Offloaded experts and a pinned n-gram table are locked pages: they cannot exceed the host's memory.
+        need = plan["weights_host"] * host_ranks
+        raise ArgsError(f"--moe-strategy: the host-resident weights need {need / GiB:.1f} GiB in {fmt}; the host "
+                        f"has {host / GiB:.1f} GiB ({quantize}--ple-backend disk, or more --nnodes)")
     if weights + kv + state > have:
         flag = "--kv-pool-tokens" if kv >= state else "--state-slots"
         raise ArgsError(f"{flag}: weights ({weights / GiB:.1f} GiB), KV pool ({kv / GiB:.1f} GiB) and state "
