@@ -36,6 +36,20 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and every process under it (pinned host memory included)."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            pass
+        todo += child_pids(p)
+    return total
+
+
 def cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

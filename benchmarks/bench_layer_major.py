@@ -2,7 +2,8 @@
 
     python benchmarks/bench_layer_major.py --out DIR [--preset bench] [--cold 32012] [--continuation 32077]
                                         [--chunk 4096] [--cache-fraction 0.11] [--arms chunked,layer_major,resident]
-                                        [--no-coalesce] [--prompts text|ids]
+                                        [--no-coalesce] [--prompts text|ids] [--pairs 3]
+                                        [--quantization nvfp4|fp8] [--ple-backend pinned|gpu|disk]
 
 The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format random``, pinned PLE,
 ``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms,
@@ -17,7 +18,12 @@ event with non-empty text, timed from just before the HTTP request. Per arm: med
 and full-response time and output tok/s, host-to-device expert bytes per scored cold request up to
 its first text (``/metrics`` read when the first text arrives; a decode step or two may slip in),
 and the PCIe floor: those bytes over the pinned host-to-device bandwidth measured in this run.
-Token ids (from the tap) are compared across arms. Writes ``DIR/bench_layer_major.json``.
+Decode tok/s is the tokens after the first over the time from first text to the response's end. Device memory
+is what the GPU has in use (``cudaMemGetInfo``) less what it had before the arm's server started, read after the
+last request; host memory the resident set of the server's processes (pinned memory included). Token ids (from the
+tap) are compared across arms. ``--quantization`` serves random weights in a quantized layout (the real-depth
+``flash-next`` preset fits one H200 only so); ``--pairs`` fewer (cold, continuation) pairs (one: the cold is
+scored though it is the first at its length). Writes ``DIR/bench_layer_major.json``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 import torch
 
 from tidal.bench.client import greedy_stream
-from tidal.bench.server import Server
+from tidal.bench.server import Server, rss_bytes
 from tidal.bench.tap import TapReader
 from tidal.bench.timing import h2d_bandwidth
 from tidal.executor.presets import write_checkpoint
@@ -44,6 +50,7 @@ PARAGRAPHS = [
     "Botanical notes describe leaves, roots, flowering seasons, soil moisture and seed dispersal.\n",
     "Cartography exercises describe rivers, mountain contours, compass bearings and geographic coordinates.\n",
 ]
+GiB = 1 << 30
 ARM_FLAGS = {
     "chunked": ["--moe-strategy", "offload"],
     "layer_major": ["--moe-strategy", "offload", "--prefill-layer-major"],
@@ -67,12 +74,15 @@ def expert_bytes(srv: Server) -> float:
 
 def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
     flags = ["--load-format", "random", "--max-prefill-length", str(ns.chunk),
-             "--ple-backend", "pinned", "--max-running-requests", "2", "--max-model-len", "98304",
+             "--ple-backend", ns.ple_backend, "--max-running-requests", "2", "--max-model-len", "98304",
              "--kv-pool-tokens", "98304", "--enable-cache-report", *ARM_FLAGS[arm]]
+    if ns.quantization:
+        flags += ["--quantization", ns.quantization]
     if ns.coalesce:
         flags.append("--prefill-coalesce")
     if arm != "resident":
         flags += ["--moe-cache-slots", str(slots)]
+    device_before = device_used(ns.device)
     t0 = time.monotonic()
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=900)
     start_s = time.monotonic() - t0
@@ -84,13 +94,14 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
             at_first: list[float] = []
             obs = greedy_stream(srv.url, prompt, ns.max_tokens, "bench",
                                 on_first_text=lambda seen=at_first: seen.append(expert_bytes(srv)))
-            rec = tap.wait(obs["rid"], timeout=60)
+            rec = tap.wait(obs["rid"], timeout=600)
             if rec is None:
                 raise RuntimeError(f"the tap never saw {obs['rid']} finish")
             r = {k: obs[k] for k in ("rid", "first_text_s", "full_s", "usage", "finish_reason", "done")}
             r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=rec.token_ids,
                      expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
                      output_tok_per_s=obs["usage"]["completion_tokens"] / obs["full_s"],
+                     decode_tok_per_s=(obs["usage"]["completion_tokens"] - 1) / (obs["full_s"] - obs["first_text_s"]),
                      cached_tokens=rec.cached_tokens, prompt_tokens=rec.prompt_tokens, plan=rec.plan)
             ok = r["done"] and r["finish_reason"] == "length" and r["usage"]["completion_tokens"] == ns.max_tokens
             r["checks_ok"] = bool(ok)
@@ -99,10 +110,21 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
                   f"cached {r['cached_tokens']} mode {r['plan']['mode']} H2D to first text "
                   f"{(r['expert_bytes_to_first_text'] or 0) / 1e9:.2f} GB, in all {r['expert_bytes'] / 1e9:.2f} GB "
                   f"checks {'ok' if ok else 'FAILED'}", flush=True)
+        out["device_bytes"] = device_used(ns.device) - device_before
+        out["host_bytes"] = rss_bytes(srv.proc.pid)
+        print(f"{arm:12s} memory: device {out['device_bytes'] / GiB:.1f} GiB, host {out['host_bytes'] / GiB:.1f} GiB",
+              flush=True)
     finally:
         tap.close()
         out["left_after_stop"] = srv.stop()
     return out
+
+
+def device_used(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return total - free
 
 
 def main() -> None:
@@ -118,6 +140,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
                     help="--prefill-coalesce in every arm")
+    ap.add_argument("--pairs", type=int, default=3, choices=[1, 2, 3], help="(cold, continuation) pairs")
+    ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                    help="random weights in this quantized layout")
+    ap.add_argument("--ple-backend", default="pinned", choices=["gpu", "pinned", "disk"])
     ap.add_argument("--prompts", default="text", choices=["text", "ids"],
                     help="text: the seed's repeated paragraphs; ids: random token ids (with random weights they "
                          "spread a chunk's routing over the experts as trained routers do; text repeated this way "
@@ -133,7 +159,7 @@ def main() -> None:
     if ns.prompts == "text":
         short = exact(tok, SHORT * 100, 512)
         pairs = []
-        for paragraph in PARAGRAPHS:
+        for paragraph in PARAGRAPHS[:ns.pairs]:
             continuation = exact(tok, paragraph * 3500, ns.continuation)
             cold = exact(tok, continuation, ns.cold)
             assert continuation.startswith(cold)
@@ -145,7 +171,7 @@ def main() -> None:
             return torch.randint(1000, 150000, (n,), generator=gen).tolist()
         short = draw(512)
         pairs = []
-        for _ in PARAGRAPHS:
+        for _ in PARAGRAPHS[:ns.pairs]:
             cold = draw(ns.cold)
             pairs.append((cold, cold + draw(ns.continuation - ns.cold)))
     sequence = [("warmup-1", short), ("warmup-2", short), ("functional", short)]
@@ -156,15 +182,17 @@ def main() -> None:
     arms = [run_arm(a, path, ns, {"sequence": sequence}, slots) for a in ns.arms.split(",")]
     summary = {}
     for arm in arms:
-        scored = [r for r in arm["requests"] if r["name"] in ("cold-1", "cold-2")]
-        med = {k: statistics.median(r[k] for r in scored) for k in ("first_text_s", "full_s", "output_tok_per_s")}
+        scored = [r for r in arm["requests"] if r["name"] in (("cold-1", "cold-2") if ns.pairs > 1 else ("cold-0",))]
+        med = {k: statistics.median(r[k] for r in scored)
+               for k in ("first_text_s", "full_s", "output_tok_per_s", "decode_tok_per_s")}
         moved = statistics.median(r["expert_bytes_to_first_text"] or 0 for r in scored)
-        med.update(h2d_bytes=moved, pcie_floor_s=moved / bandwidth,
-                   all_checks_ok=all(r["checks_ok"] for r in arm["requests"]))
+        med.update(h2d_bytes=moved, pcie_floor_s=moved / bandwidth, device_bytes=arm["device_bytes"],
+                   host_bytes=arm["host_bytes"], all_checks_ok=all(r["checks_ok"] for r in arm["requests"]))
         summary[arm["arm"]] = med
     reference = [r["token_ids"] for r in arms[0]["requests"]]
     same_ids = {a["arm"]: [r["token_ids"] for r in a["requests"]] == reference for a in arms}
-    result = {"preset": ns.preset, "prompts": ns.prompts, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth,
+    result = {"preset": ns.preset, "quantization": ns.quantization, "ple_backend": ns.ple_backend,
+              "prompts": ns.prompts, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth,
               "cache_slots": slots, "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
     if "chunked" in summary and "layer_major" in summary:
         lm, ch = summary["layer_major"], summary["chunked"]
@@ -172,10 +200,12 @@ def main() -> None:
         result["layer_major_over_pcie_floor"] = lm["first_text_s"] / lm["pcie_floor_s"] if lm["pcie_floor_s"] else None
     with open(os.path.join(ns.out, "bench_layer_major.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print("\narm           first-text s  full s   out tok/s  H2D GB   PCIe floor s  checks  ids")
+    print("\narm           first-text s  full s   out tok/s  decode tok/s  H2D GB   PCIe floor s  device GiB  "
+          "host GiB  checks  ids")
     for name, med in summary.items():
         print(f"{name:12s}  {med['first_text_s']:12.3f}  {med['full_s']:7.3f}  {med['output_tok_per_s']:9.2f}  "
-              f"{med['h2d_bytes'] / 1e9:7.2f}  {med['pcie_floor_s']:12.3f}  {str(med['all_checks_ok']):6s}  "
+              f"{med['decode_tok_per_s']:12.2f}  {med['h2d_bytes'] / 1e9:7.2f}  {med['pcie_floor_s']:12.3f}  "
+              f"{med['device_bytes'] / GiB:10.1f}  {med['host_bytes'] / GiB:8.1f}  {str(med['all_checks_ok']):6s}  "
               f"{same_ids[name]}")
     for key in ("first_text_ratio_chunked_over_layer_major", "layer_major_over_pcie_floor"):
         if key in result:

@@ -55,12 +55,13 @@ class QuantTensor:
     def __getitem__(self, index) -> QuantTensor:
         return self._with([t[index] for t in self.parts()])
 
+    # Indexing moves bytes: float8 parts go through a uint8 view (torch indexes float8 on no device).
     def index_select(self, dim: int, index: torch.Tensor) -> QuantTensor:
-        return self._with([t.index_select(dim, index) for t in self.parts()])
+        return self._with([_bytes(t).index_select(dim, index).view(t.dtype) for t in self.parts()])
 
     def index_copy_(self, dim: int, index: torch.Tensor, source: QuantTensor) -> QuantTensor:
         for mine, theirs in zip(self.parts(), source.parts(), strict=True):
-            mine.index_copy_(dim, index, theirs)
+            _bytes(mine).index_copy_(dim, index, _bytes(theirs))
         return self
 
     def copy_(self, source: QuantTensor, non_blocking: bool = False) -> QuantTensor:
@@ -83,6 +84,10 @@ class QuantTensor:
         if self.fmt == "nvfp4":
             return dequantize_nvfp4(self.data, self.scale, self.scale_2, dtype)
         return dequantize_fp8_block(self.data, self.scale, dtype, self.block_rows.to(self.data.device))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def new_like(t: torch.Tensor | QuantTensor, experts: int, device: torch.device | str,

@@ -127,6 +127,31 @@ def test_bench_layer_major_runs_on_cpu(tmp_path):
     assert data["summary"]["chunked"]["h2d_bytes"] > data["summary"]["layer_major"]["h2d_bytes"] > 0
 
 
+def test_bench_layer_major_with_quantized_random_weights_on_cpu(tmp_path):
+    """Random NVFP4 experts streamed layer-major and resident: the same ids, memory and decode rate reported."""
+    out = tmp_path / "lm"
+    proc = subprocess.run([sys.executable, script("bench_layer_major.py"), "--out", str(out),
+                           "--preset", "tiny", "--device", "cpu", "--cold", "600", "--continuation", "665",
+                           "--chunk", "128", "--max-tokens", "4", "--cache-fraction", "0.2", "--pairs", "1",
+                           "--quantization", "nvfp4", "--arms", "layer_major,resident"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench_layer_major.json").read_text())
+    assert data["quantization"] == "nvfp4" and set(data["summary"]) == {"layer_major", "resident"}
+    assert all(data["ids_equal_to_first_arm"].values())
+    cold = [r for r in data["arms"][0]["requests"] if r["name"] == "cold-0"][0]
+    assert cold["plan"]["mode"] == "layer_major" and cold["checks_ok"]
+    for arm in data["summary"].values():
+        assert arm["all_checks_ok"] and arm["decode_tok_per_s"] > 0 and arm["host_bytes"] > 0
+    # A streamed NVFP4 expert moves 4.5 bits a weight plus an fp32 scale a row, not 16 or 32 bits a weight.
+    from tidal.executor.presets import preset_config
+
+    c = preset_config("tiny")
+    hidden, inter = c["hidden_size"], c["moe_intermediate_size"]
+    per_expert = 3 * hidden * inter * 9 // 16 + 4 * (2 * inter + hidden)
+    assert 0 < data["summary"]["layer_major"]["h2d_bytes"] <= c["num_hidden_layers"] * c["num_experts"] * per_expert
+
+
 def test_profile_layer_major_runs_on_cpu(tmp_path):
     """The offline layer-major profile on the tiny preset: both arms, the expert bytes each moved (the
     chunked arm streams each layer once per chunk, layer-major once) and their ratio."""

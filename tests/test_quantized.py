@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_layer_major import _recording
 from test_parity import prompt_for, reference_model
 
 from tidal import LLM
@@ -175,13 +176,16 @@ def test_logits_and_greedy_ids_match_transformers_on_the_dequantized_tensors(cas
     assert llm.generate([prompt], max_tokens=GREEDY, ignore_eos=True)[0] == cold  # after a prefix-cache hit
     assert llm.scheduler.counters["cached_tokens"] > 0
     offload = dict(moe_strategy="offload", moe_cache_slots=config.num_experts_per_tok)
-    for kwargs in (dict(max_prefill_length=64), offload,
+    for kwargs in (dict(max_prefill_length=64), offload, dict(offload, prefill_layer_major=True, max_prefill_length=64),
                    dict(ple_backend="pinned"), dict(ple_backend="disk", max_prefill_length=128)):
         if not config.ple_layers and "ple_backend" in kwargs:
             continue
-        got = LLM(path, device=device, dtype="float32", **kwargs).generate([prompt], max_tokens=GREEDY,
-                                                                          ignore_eos=True)[0]
-        assert got == cold, kwargs
+        llm = LLM(path, device=device, dtype="float32", **kwargs)
+        admitted = []
+        llm.scheduler.emit = _recording(llm, admitted)
+        assert llm.generate([prompt], max_tokens=GREEDY, ignore_eos=True)[0] == cold, kwargs
+        if kwargs.get("prefill_layer_major"):  # whole quantized layers streamed from the host banks
+            assert admitted[0].plan.mode == "layer_major"
 
 
 def test_quantized_weights_stay_quantized_in_memory(tmp_path):
@@ -381,3 +385,33 @@ def test_model_as_a_hub_repository_id_offline(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--model", "nvidia/Missing", "--device", "cpu"],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and len([ln for ln in out.stderr.splitlines() if ln.strip()]) == 1, out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_the_quantized_gpu_path_gives_its_reference_paths_ids_on_small(tmp_path, monkeypatch, fmt):
+    """The ``small`` preset with random quantized weights in fp32 on the GPU: kernels, CUDA-graph decode (routed
+    experts dequantized per step) and the offloaded expert cache give the greedy ids of the torch reference
+    (``TIDAL_KERNELS=torch``)."""
+    import gc
+
+    base = write_checkpoint("small", str(tmp_path / "small"), weights=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 248000, (n,), generator=gen).tolist() for n in (37, 1, 300)]
+    common = dict(load_format="random", quantization=fmt, device="cuda", dtype="float32", max_prefill_length=128)
+
+    def ids(**kwargs):
+        llm = LLM(base, **common, **kwargs)
+        out = llm.generate(prompts, max_tokens=24, ignore_eos=True)
+        graphed = llm.runner.graphs is not None and llm.runner.graphs.steps > 0
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return out, graphed
+
+    monkeypatch.setenv("TIDAL_KERNELS", "torch")
+    want, _ = ids()
+    monkeypatch.delenv("TIDAL_KERNELS")
+    got, graphed = ids()
+    assert got == want and graphed
+    assert ids(moe_strategy="offload", moe_cache_slots=8)[0] == want

@@ -97,7 +97,14 @@ class RoutedExperts(nn.Module):
         """The routed experts' weighted sum, plus ``shared`` (see :func:`~tidal.kernels.moe.add_shared`)."""
         if self.store is not None:
             return add_shared(self.store.forward(self.layer_idx, x, ids, weights), shared)
-        return fused_experts(x, ids, weights, dense(self.gate_up, x.dtype), dense(self.down, x.dtype), shared)
+        gate_up, down = self.gate_up, self.down
+        if self.fmt is not None and ids.numel() < self.num_experts:
+            # Quantized, and fewer (token, expert) pairs than experts (decode): dequantize only the routed
+            # experts, one copy per pair, numbered 0..n-1 (shapes alone decide: no host sync, graph-safe).
+            flat = ids.reshape(-1)
+            gate_up, down = gate_up.index_select(0, flat), down.index_select(0, flat)
+            ids = torch.arange(flat.numel(), device=ids.device, dtype=ids.dtype).view_as(ids)
+        return fused_experts(x, ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype), shared)
 
 
 class SparseMoE(nn.Module):
