@@ -24,8 +24,12 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
-def _table(device: torch.device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of uint8 e2m1 codes (``E2M1_VALUES[code]``), by arithmetic on the code's bits: no table
+    copied to the device, so a CUDA graph can capture it."""
+    e, m = (codes >> 1) & 3, (codes & 1).float()
+    mag = torch.where(e == 0, m * 0.5, (m + 2) * torch.exp2(e.float() - 2))
+    return torch.where(codes >= 8, -mag, mag)
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,7 @@ def quantize_nvfp4(w: torch.Tensor, scale_2: torch.Tensor | None = None
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``e2m1 * (float(scale) * scale_2)``. ``scale_2`` is a scalar, or one per row as ``[..., R, 1]``."""
-    values = _table(packed.device)[unpack_nibbles(packed).long()]
+    values = e2m1_values(unpack_nibbles(packed))
     block = scale.float() * scale_2.float()  # the scale of each group of 16 (the producer's order of rounding)
     return (values.unflatten(-1, (-1, NVFP4_GROUP)) * block[..., None]).flatten(-2).to(dtype)
 
