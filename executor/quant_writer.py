@@ -104,6 +104,9 @@ def quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]], config: Model
         if EXPERT_KEY.match(name):
             base = key[: -len("weight")]
             if fmt == "nvfp4":
+                if tensor.shape[-1] % 16:
+                    raise ValueError(f"--quantize nvfp4: {key} has rows of {tensor.shape[-1]} values; NVFP4 needs a "
+                                     "multiple of 16")
                 packed, scale, scale_2 = quantize_nvfp4(tensor)
                 yield key, packed
                 yield base + "weight_scale", scale

@@ -136,7 +136,20 @@ CASES = {
     "tidal_from_tied_fp8": ("hf_kernels_tied", "fp8", "tidal"),
     "tidal_from_composite_fp8": ("hf_hc2_gqa4", "fp8", "tidal"),
     "stacked_nvfp4": ("tiny", "nvfp4", "stacked"),
+    "fp32_scales_fp8": ("hf_hc3_ngram4", "fp8", "fp32_scales"),
+    "config_json_only_nvfp4": ("hf_kernels_tied", "nvfp4", "config_json_only"),
 }
+
+
+def fp32_scales(path: str) -> str:
+    """Block scales stored in fp32, as DeepSeek's FP8 exports have them (Qwen's are bf16)."""
+    tensors = {k: (t.float() if k.endswith("weight_scale_inv") else t) for k, t in _tensors(path).items()}
+    assert any(k.endswith("weight_scale_inv") for k in tensors)
+    for file in os.listdir(path):
+        if file.endswith(".safetensors") or file == "model.safetensors.index.json":
+            os.remove(os.path.join(path, file))
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -150,6 +163,11 @@ def case(request, tmp_path_factory, hf_checkpoints, tiny_checkpoint):
         path = write_checkpoint("tiny", str(root / "q"), seed=0, quantize=fmt)
     else:
         path = write_checkpoint(None, str(root / "q"), quantize=fmt, source=dense)
+    if writer == "fp32_scales":
+        fp32_scales(path)
+    if writer == "config_json_only":  # the quantization config in config.json alone, no hf_quant_config.json
+        os.remove(os.path.join(path, "hf_quant_config.json"))
+        assert "quantization_config" in json.load(open(os.path.join(path, "config.json")))
     reference = dequantized(path, str(root / "dense"))
     if writer == "stacked":  # the same tensors, stacked: the reference is the per-expert checkpoint's
         path = stacked(path, str(root / "stacked"))
