@@ -254,14 +254,15 @@ def write_checkpoint(preset: str | None, out: str, seed: int = 0, weights: bool 
     if not weights:
         return out
     if source is not None:
-        tensors = source_tensors(source)
-        desc = f"writing {os.path.basename(os.path.normpath(source))}"
+        from .quant_writer import source_keys
+
+        tensors = progress(source_tensors(source), total=len(source_keys(source)),
+                           desc=f"writing {os.path.basename(os.path.normpath(source))}", unit="tensor")
     else:
-        tensors = _preset_tensors(config, seed)
-        desc = f"writing {preset} checkpoint"
+        tensors = _preset_tensors(config, seed, desc=f"writing {preset} checkpoint")
     if quantize is not None:
         tensors = quantized_tensors(tensors, config, quantize)
-    _write_shards(out, tensors, desc)
+    _write_shards(out, tensors)
     return out
 
 
@@ -277,12 +278,13 @@ def _module_prefix(source: str | None) -> str:
     return "model."
 
 
-def _preset_tensors(config: ModelConfig, seed: int):
-    """``(checkpoint key, tensor)`` of a preset's seeded random weights, as ``save_pretrained`` names them."""
+def _preset_tensors(config: ModelConfig, seed: int, desc: str):
+    """``(checkpoint key, tensor)`` of a preset's seeded random weights, as ``save_pretrained`` names them; the
+    progress bar counts the model's parameters."""
     model = empty_model(config, "meta", torch.bfloat16)
-    for name, param in model.named_parameters():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
+    params = [(name, param) for name, param in model.named_parameters()
+              if not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    for name, param in progress(params, desc=desc, unit="tensor"):
         tensor = random_tensor(name, tuple(param.shape), config, seed).to(torch.bfloat16)
         yield from split_for_checkpoint(name, tensor, config)
     for layer in config.ple_layers:  # the hashing buffers, as save_pretrained writes them
@@ -290,7 +292,7 @@ def _preset_tensors(config: ModelConfig, seed: int):
             yield f"model.layers.{layer}.ple.ple_embedding.{name}", value
 
 
-def _write_shards(out: str, tensors, desc: str) -> None:
+def _write_shards(out: str, tensors) -> None:
     files: list[tuple[str, list[str]]] = []
     shard: dict[str, torch.Tensor] = {}
     size = 0
@@ -302,7 +304,7 @@ def _write_shards(out: str, tensors, desc: str) -> None:
         files.append((path, list(shard)))
         shard, size = {}, 0
 
-    for key, tensor in progress(tensors, desc=desc, unit="tensor"):
+    for key, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > SHARD_BYTES:
             flush()
