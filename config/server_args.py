@@ -44,6 +44,7 @@ class ServerArgs:
     max_queued_requests: int = 1024
     default_max_tokens: int = 4096
     max_request_bytes: int = 64 << 20  # larger HTTP request bodies get 413
+    tokenizer_workers: int = 2  # processes that parse, render and tokenize requests for the frontend
     reasoning_parser: str | None = None  # "qwen3": chat answers' text up to </think> -> reasoning_content
     page_size: int = 16
     kv_pool_tokens: int | None = None
@@ -111,6 +112,7 @@ class ServerArgs:
         need(self.max_queued_requests >= 0, "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
         need(self.max_request_bytes >= 1024, "max_request_bytes",
              f"must be >= 1024 bytes, got {self.max_request_bytes}")
+        need(self.tokenizer_workers >= 1, "tokenizer_workers", f"must be >= 1, got {self.tokenizer_workers}")
         need(self.reasoning_parser in (None, "qwen3"), "reasoning_parser",
              f"must be qwen3 (or unset), got {self.reasoning_parser!r}")
         need(self.max_prefill_length is None or self.max_prefill_length >= 1, "max_prefill_length",
@@ -251,6 +253,9 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond the running ones; more get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest HTTP request body in bytes (default 64 MiB); a larger one gets 413")
+    p.add_argument("--tokenizer-workers", type=int, default=d.tokenizer_workers,
+                   help="processes that parse requests, render chat templates and tokenize prompts, so that a "
+                        "long prompt never stalls the frontend's event loop")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                    help="qwen3: a chat answer's text up to </think> (after a leading <think>) is returned as "
                         "reasoning_content, the rest as content (default: off, the text as generated)")

@@ -25,11 +25,11 @@ from ..config.server_args import ServerArgs
 from ..messages import Drained, GenerateReq, Ready, SamplingParams, TextDelta, Usage
 from ..runtime.ipc import Push
 from ..tokenizer import load_tokenizer
-from .answer_memory import AnswerMemory
 from .engine_client import EngineClient
 from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import Metrics
+from .parse_pool import ParsePool
 from .parsers import ChatOutput, thinking_closed
 from .protocol import (
     Limits,
@@ -37,9 +37,6 @@ from .protocol import (
     chat_chunk,
     completion_chunk,
     full_response,
-    parse_body,
-    parse_chat,
-    parse_completion,
     usage_body,
     usage_chunk,
 )
@@ -98,7 +95,7 @@ class Frontend:
         # The stored format of the weights, as /v1/models reports it (null: the checkpoint's float dtype).
         self.quantization = config.quantization.label if config.quantization is not None else None
         self.metrics = Metrics()
-        self.answers = AnswerMemory()
+        self.parser = ParsePool(model_path, self.limits, args.tokenizer_workers)
         self.client = EngineClient(args.scheduler_addr, args.bind_addr(args.frontend_addr), self.metrics)
         self.created = int(time.time())
 
@@ -182,9 +179,9 @@ class Frontend:
                                 f"(--max-running-requests + --max-queued-requests); retry shortly",
                            type_="service_unavailable", retry_after=1)
         raw = await self._read_body(request)
-        # JSON parsing, validation, chat templates and tokenization run in a worker thread: a long
+        # JSON parsing, validation, chat templates and tokenization run in a tokenizer worker process: a long
         # prompt must not stall every other stream and /health on the event loop.
-        parsed = await asyncio.to_thread(self._parse, raw, chat)
+        parsed = await self.parser.parse(raw, chat)
         rid = uuid.uuid4().hex
         n = parsed.controls.get("n", 1)
         # Choice index p * n + i: prompt p's choice i. Choice i > 0 is its own request, admitted once
@@ -260,12 +257,6 @@ class Frontend:
         raise APIError(413, f"the request body is {length}; this server accepts at most {limit} bytes "
                             "(--max-request-bytes)", code="request_too_large")
 
-    def _parse(self, raw: bytes, chat: bool) -> ParsedRequest:
-        body = parse_body(raw)
-        if chat:
-            return parse_chat(body, self.limits, self.tokenizer, self.answers)
-        return parse_completion(body, self.limits, self.tokenizer)
-
     async def _next(self, choice: Choice, arrival: float) -> TextDelta:
         delta: TextDelta = await choice.queue.get()
         now = time.monotonic()
@@ -310,7 +301,7 @@ class Frontend:
         answer is remembered so that a later conversation quoting it re-encodes to the same ids."""
         text = output.content if output is not None else "".join(parts)
         if parsed.chat and delta.finish_reason in ("stop", "length"):
-            self.answers.remember(text, ids, self.tokenizer)
+            self.parser.remember(text, ids)
         return text, output.finish_reason(delta.finish_reason) if output is not None else delta.finish_reason
 
     def _output(self, parsed: ParsedRequest) -> ChatOutput | None:

@@ -20,13 +20,13 @@ def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
     """The TTFT metric starts when the request arrives, before its (here slow) parsing and tokenizing."""
     args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
     frontend = Frontend(args, tiny_checkpoint)
-    parse = frontend._parse
+    parse = frontend.parser.parse
 
-    def slow_parse(raw, chat):
-        time.sleep(PARSE_SECONDS)
-        return parse(raw, chat)
+    async def slow_parse(raw, chat):
+        await asyncio.sleep(PARSE_SECONDS)
+        return await parse(raw, chat)
 
-    frontend._parse = slow_parse
+    frontend.parser.parse = slow_parse
 
     async def go():
         frontend.client.start()
@@ -48,5 +48,6 @@ def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
             return elapsed
 
     elapsed = asyncio.run(go())
+    frontend.parser.close()
     assert frontend.metrics.ttft.sum >= PARSE_SECONDS
     assert frontend.metrics.ttft.sum <= elapsed

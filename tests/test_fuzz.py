@@ -405,6 +405,8 @@ def test_max_request_bytes_flag_is_validated():
     assert ServerArgs().max_request_bytes == 64 << 20
     with pytest.raises(ArgsError, match="--max-request-bytes"):
         ServerArgs(max_request_bytes=100)
+    with pytest.raises(ArgsError, match="--tokenizer-workers: must be >= 1, got 0"):
+        ServerArgs(tokenizer_workers=0)
 
 
 def test_still_serving_and_idle_after_fuzzing(server):
