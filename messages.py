@@ -103,6 +103,8 @@ class Plan(Struct, omit_defaults=True):
     chunks: list[list[int]]  # [start, end) prompt positions per forward
     checkpoints: list[int] = []
     reason: str = ""
+    # layer_major: (layer, internal chunk) pairs per scheduling turn, decode steps between turns (0: one turn).
+    slice: int = 0
 
 
 class PromptAdmitted(Struct, tag="PromptAdmitted", omit_defaults=True):
@@ -228,6 +230,14 @@ class Batch(Struct, tag="Batch", omit_defaults=True):
     # "chunked", or "layer_major": one segment run layer by layer over internal chunks of chunk_size.
     mode: PlanMode = "chunked"
     chunk_size: int = 0
+    # layer_major over several turns (--layer-major-slice): this is turn ``turn`` of ``turns``, doing
+    # ``layer_chunks`` (layer, internal chunk) pairs of the prefill (0: all that are left); the first turn
+    # carries the pages and copies, the last samples. ``drop``: end the prefill unfinished (its request was
+    # aborted between turns).
+    turn: int = 0
+    turns: int = 1
+    layer_chunks: int = 0
+    drop: bool = False
     # Hyper-connection row sharding across the TP ranks for this (pure, large) prefill batch.
     hc_shard: bool = False
 

@@ -62,6 +62,7 @@ class ServerArgs:
     ple_backend: str = "gpu"  # "gpu" | "pinned" | "disk"
     prefill_layer_major: bool = False
     layer_major_max_tokens: int = 32768
+    layer_major_slice: int = 4  # (layer, internal chunk) pairs per scheduling turn; 0: the whole prefill in one
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     # Wiring.
@@ -152,6 +153,7 @@ class ServerArgs:
              f"must be gpu, pinned or disk, got {self.ple_backend!r}")
         need(not (self.ple_backend == "disk" and self.load_format == "random"), "ple_backend",
              "disk reads the table from the checkpoint's safetensors files; --load-format random has none")
+        need(self.layer_major_slice >= 0, "layer_major_slice", f"must be >= 0, got {self.layer_major_slice}")
         need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
              f"must be >= 1, got {self.layer_major_max_tokens}")
         need(not (self.restart_on_failure and self.nnodes > 1), "restart_on_failure",
@@ -288,8 +290,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="where PLE n-gram tables live: on the device, in pinned host memory, or read on demand "
                         "from the checkpoint files")
     p.add_argument("--prefill-layer-major", action="store_true",
-                   help="run an eligible long prefill layer by layer over all its internal chunks (one scheduling "
-                        "turn), so each layer's streamed experts cross to the device once")
+                   help="run an eligible long prefill layer by layer over all its internal chunks, so each layer's "
+                        "streamed experts cross to the device once")
+    p.add_argument("--layer-major-slice", type=int, default=d.layer_major_slice,
+                   help="(layer, internal chunk) pairs of a layer-major prefill per scheduling turn, with the running "
+                        "requests' decode steps between turns; 0: the whole prefill in one turn, only while "
+                        "nothing else runs")
     p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
                    help="the most new prompt tokens a layer-major prefill takes")
     p.add_argument("--disable-overlap-schedule", action="store_true",

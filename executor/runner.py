@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -14,11 +13,11 @@ from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
 from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
 from ..runtime.faults import SCRIPTED, scripted_output
-from ..scheduler.chunking import chunk_bounds
 from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
+from .layer_major import LayerMajorPrefill
 from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
@@ -86,6 +85,8 @@ class ModelRunner:
         self.unfinished: dict[int, Launched] = {}  # slot -> the launched batch that samples it, not yet finished
         self.graphs: DecodeGraphs | None = None
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
+        self.layer_major: LayerMajorPrefill | None = None  # the layer-major prefill under way, over turns
+        self.layer_major_rid: str | None = None
 
     def use_graphs(self, max_batch: int, max_pages: int, capture: bool) -> None:
         """Run decode batches of up to ``max_batch`` rows from CUDA graphs (``capture``) or, without it,
@@ -121,9 +122,8 @@ class ModelRunner:
         if waits and not self.can_follow(batch):
             for launched in waits.values():
                 self.finish(launched)
-        if batch.mode == "layer_major" and self.expert_store is not None:
-            with self.expert_store.hold():
-                return self._execute(batch)
+        if batch.mode == "layer_major":
+            return Launched(self._layer_major_turn(batch), finished=True)
         return self._execute(batch)
 
     def can_follow(self, batch: Batch) -> bool:
@@ -161,10 +161,34 @@ class ModelRunner:
         return launched.out
 
     def _execute(self, batch: Batch) -> Launched:
-        # Prefix-cache restores: checkpoint slots into request slots (two disjoint pools: no chains).
-        self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
+        self._prepare(batch)
         specs = batch.segments
-        for spec in specs:
+        if self._graph_batch(batch):
+            launched = self._execute_graph(specs)
+            if launched is not None:
+                return launched
+        # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
+        # of the j-th segment as the forward lays it out.
+        order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
+        fb = self._forward_batch([specs[i] for i in order], decode_only=all(is_decode(spec) for spec in specs))
+        group = tp()
+        sharded = batch.hc_shard and group.size > 1
+        before = dict(group.counters) if sharded else None
+        streams, pending = self.model(fb, hc_shard=batch.hc_shard)
+        if sharded:
+            self.hc_shard_forwards += 1
+            issued = {k: v - before.get(k, 0) for k, v in group.counters.items()}
+            logger.info("hc shard forward: %d rows, %d per rank, %d all-gathers, %d reduce-scatters",
+                        fb.num_tokens, fb.num_tokens // group.size, issued.get("all_gather", 0),
+                        issued.get("reduce_scatter", 0))
+        self._finish_states(fb)
+        return Launched(self._logits_and_sample(batch, specs, order, fb, streams, pending, 0), finished=True)
+
+    def _prepare(self, batch: Batch) -> None:
+        """Before a batch's forward: prefix-cache restores (checkpoint slots into request slots, two disjoint
+        pools: no chains), and the tokens of decodes scheduled ahead."""
+        self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
+        for spec in batch.segments:
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
                 if len(spec.token_ids) != 1:
                     raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
@@ -175,34 +199,62 @@ class ModelRunner:
                 spec.token_ids = [self.last_sampled.get(spec.slot, 0)]
             if spec.sample:  # what this batch samples replaces what the slot sampled before, or nothing
                 self.last_sampled.pop(spec.slot, None)
-        if self._graph_batch(batch):
-            launched = self._execute_graph(specs)
-            if launched is not None:
-                return launched
-        # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
-        # of the j-th segment as the forward lays it out.
-        order = sorted(range(len(specs)), key=lambda i: len(specs[i].token_ids) != 1)
-        fb = self._forward_batch([specs[i] for i in order],
-                                 decode_only=batch.mode != "layer_major" and all(is_decode(spec) for spec in specs))
-        shift = 0  # rows of the segment before the returned streams' first row
-        if batch.mode == "layer_major":
-            if any(spec.want_logits for spec in specs):
-                raise ValueError("a layer-major batch samples; it cannot return every row's logits")
-            streams, pending = self._layer_major(fb, specs[0].token_ids, batch.chunk_size)
-            shift = fb.num_tokens - streams.shape[0]
-        else:
-            group = tp()
-            sharded = batch.hc_shard and group.size > 1
-            before = dict(group.counters) if sharded else None
-            streams, pending = self.model(fb, hc_shard=batch.hc_shard)
-            if sharded:
-                self.hc_shard_forwards += 1
-                issued = {k: v - before.get(k, 0) for k, v in group.counters.items()}
-                logger.info("hc shard forward: %d rows, %d per rank, %d all-gathers, %d reduce-scatters",
-                            fb.num_tokens, fb.num_tokens // group.size, issued.get("all_gather", 0),
-                            issued.get("reduce_scatter", 0))
-        self._finish_states(fb)
-        return Launched(self._logits_and_sample(batch, specs, order, fb, streams, pending, shift), finished=True)
+
+    def _layer_major_turn(self, batch: Batch) -> RunnerOutput:
+        """One turn of a layer-major prefill (``batch.turn`` of ``batch.turns``, ``batch.layer_chunks``
+        (layer, internal chunk) pairs of its work; 0: all). The first builds it, the last samples; between
+        turns its activations stay here while other batches run. ``batch.drop`` ends it unfinished. It ends
+        too when a turn fails, and when another one starts."""
+        out = RunnerOutput(token_ids=[-1] * len(batch.segments))
+        if batch.drop:
+            self._end_layer_major()
+            return out
+        if len(batch.segments) != 1:
+            raise ValueError("a layer-major batch holds exactly one segment")
+        spec = batch.segments[0]
+        try:
+            if batch.turn == 0:
+                self._end_layer_major()
+                if spec.want_logits or spec.prompt_targets:
+                    raise ValueError("a layer-major batch samples; it cannot return every row's logits or prompt "
+                                     "log-probabilities")
+                self._prepare(batch)
+                fb = self._forward_batch([spec])
+                if self.expert_store is not None:
+                    self.expert_store.begin()
+                self.layer_major = LayerMajorPrefill(self, fb, spec.token_ids, batch.chunk_size)
+                self.layer_major_rid = spec.rid
+            elif self.layer_major is None or self.layer_major_rid != spec.rid:
+                raise RuntimeError(f"turn {batch.turn} of the layer-major prefill of {spec.rid}, which this executor "
+                                   "does not hold")
+            job = self.layer_major
+            if self.expert_store is not None:
+                with self.expert_store.whole_layers():
+                    done = job.run(batch.layer_chunks)
+            else:
+                done = job.run(batch.layer_chunks)
+            if done != (batch.turn == batch.turns - 1):
+                raise RuntimeError(f"the layer-major prefill of {spec.rid} ({job.layer_chunks} layer-chunks) "
+                                   f"{'ended' if done else 'did not end'} at turn {batch.turn} of {batch.turns} "
+                                   f"with {batch.layer_chunks} layer-chunks a turn")
+            if not done:
+                return out
+            if spec.sample:
+                self.last_sampled.pop(spec.slot, None)
+            streams, pending = job.result()
+            self._finish_states(job.outer)
+            out = self._logits_and_sample(batch, [spec], [0], job.outer, streams, pending,
+                                          job.outer.num_tokens - streams.shape[0])
+        except BaseException:  # a failed turn fails its request; nothing of the prefill stays
+            self._end_layer_major()
+            raise
+        self._end_layer_major()
+        return out
+
+    def _end_layer_major(self) -> None:
+        if self.layer_major is not None and self.expert_store is not None:
+            self.expert_store.end()
+        self.layer_major = self.layer_major_rid = None
 
     def _logits_and_sample(self, batch: Batch, specs: list[SegmentSpec], order: list[int], fb: ForwardBatch,
                            streams: torch.Tensor, pending, shift: int) -> RunnerOutput:
@@ -336,61 +388,6 @@ class ModelRunner:
                 entries.append(TokenLogprob(logprob=row[0], top_ids=[int(x) for x in row[1 + k:]],
                                             top_logprobs=row[1:1 + k]))
         return entries
-
-    def _layer_major(self, outer: ForwardBatch, ids: list[int], chunk: int):
-        """One long segment, each decoder layer over all its internal chunks before the next layer.
-
-        Internal chunks are cut as the scheduler cuts chunked forwards (``chunking.chunk_bounds`` of at
-        most ``chunk`` rows), so layer-major and chunked prefill run the same blocks.
-
-        Internal chunks keep their absolute positions and the outer checkpoint plan projected onto
-        them: an export inside a chunk is that chunk's internal export; one at a chunk boundary is
-        copied per layer right after the layer finishes that chunk (the slot moves on with the next
-        chunk). The outer batch finishes the n-gram contexts and end-of-segment exports as usual.
-        Only the last chunk's streams (and pending residual) are returned: the sampled row is its last.
-        """
-        if len(outer.segments) != 1 or chunk < 1:
-            raise ValueError("a layer-major batch holds exactly one segment and a chunk size")
-        seg = outer.segments[0]
-        width = self.states.ngram_context.shape[1]
-        history = torch.cat([outer.ngram_context[0], outer.input_ids])  # context ids, then the tokens
-        eos = self.config.ngram_eos_id
-        ratio = self.config.qsa_ratio
-        chunks, boundary_exports = [], []
-        cuts = [b - seg.start for b in chunk_bounds(seg.start, seg.start + seg.length, chunk)]
-        model = self.model.model
-        ahead = self._ple_rows_ahead(outer, cuts)
-        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-            part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
-                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
-            rows_ahead = {i: functools.partial(rows.send, lo, hi) for i, rows in ahead.items()}
-            chunks.append(build_forward_batch([part], ids[lo:hi], self.kv, self.states, eos, self.device,
-                                              qsa_ratio=ratio, ngram_context=history[None, lo:lo + width],
-                                              ple_rows=rows_ahead))
-            boundary_exports.append([dst for off, dst in seg.exports if off == hi < seg.length])
-        if self.expert_store is not None:  # every upload of the batch is issued: the layers' copies follow
-            self.expert_store.start()
-        streams = [model.embed(fb.input_ids) for fb in chunks]
-        pending = [None] * len(chunks)
-        for i, layer in enumerate(model.layers):
-            # Every chunk up to the MoE block, then every chunk's MoE: the experts' copy is awaited
-            # once the rest of the layer is queued, and only MoE work is left when it lands.
-            moe_in = []
-            for k, fb in enumerate(chunks):
-                streams[k], block_in, inject = layer.before_moe(streams[k], pending[k], fb)
-                moe_in.append((block_in, inject))
-                for dst in boundary_exports[k]:
-                    self.states.copy_layer(layer.layer_idx, seg.slot, dst)
-            for k, fb in enumerate(chunks):
-                pending[k] = layer.moe(*moe_in[k], fb)
-            del moe_in
-            if self.expert_store is not None:
-                following = model.layers[i + 1].layer_idx if i + 1 < len(model.layers) else None
-                if following in ahead and self.expert_store.copy_stream is not None:
-                    # The next layer's PLE rows travel before the layer after next's experts.
-                    ahead[following].upload(self.expert_store.copy_stream)
-                self.expert_store.finished(layer.layer_idx)
-        return streams[-1], pending[-1]
 
     def _ple_rows_ahead(self, outer: ForwardBatch, cuts: list[int]) -> dict[int, RowsAhead]:
         """For each PLE layer whose table is pinned in host memory, its rows for the whole segment, gathered

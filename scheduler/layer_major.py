@@ -3,9 +3,15 @@
 Layer-major prefill runs each decoder layer over all internal chunks of a long prompt before the
 next layer, so experts streamed from host memory cross to the device once per layer instead of once
 per chunk. It pays only where experts are streamed and keeps every chunk's activations alive
-between layers, so it is limited to the case the mechanism is for: one long text prompt running
-alone, on one rank, with experts offloaded and PLE tables in memory. Everything else runs chunked,
-and the plan says why.
+between layers, so it is limited to the case the mechanism is for: one long text prompt at a time, on
+one rank, with experts offloaded and PLE tables in memory. Everything else runs chunked, and the plan
+says why.
+
+With ``--layer-major-slice`` > 0 (the default) the prefill runs over several scheduling turns of that many
+(layer, internal chunk) pairs each, and the requests already decoding take a step between turns; so a
+long prompt is eligible while others decode. Prompts that arrive meanwhile wait until it is done (their
+chunks would stream every layer again and compete for the same copies). With 0 it is one turn, eligible
+only while nothing else runs or waits.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from ..config.server_args import ServerArgs
 from .chunking import chunk_step
 
 
-def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool) -> tuple[bool, str]:
+def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool,
+                         busy: bool = False) -> tuple[bool, str]:
     """``(eligible, reason)`` for a prompt with ``new_tokens`` uncached tokens, while ``others``
-    other requests are running or waiting."""
+    other requests are running or waiting; ``busy``: another layer-major prefill is under way."""
     if not args.prefill_layer_major:
         return False, "layer-major off"
     chunk = args.max_prefill_length
@@ -24,7 +31,9 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
         (args.tp == 1, f"--tp {args.tp} (layer-major needs 1)"),
         (args.moe_strategy == "offload", "experts resident (layer-major needs --moe-strategy offload)"),
         (args.ple_backend != "disk", "--ple-backend disk (layer-major needs gpu or pinned)"),
-        (others == 0, f"{others} other request(s) running or waiting"),
+        (not busy, "another layer-major prefill is under way"),
+        (others == 0 or args.layer_major_slice > 0,
+         f"{others} other request(s) running or waiting (--layer-major-slice 0 runs alone)"),
         (not want_logits, "every prompt row is needed (scoring or prompt log-probabilities)"),
         (chunk is not None and new_tokens > chunk,
          f"{new_tokens} new tokens within --max-prefill-length {chunk}"),
@@ -34,4 +43,5 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
     for ok, why in checks:
         if not ok:
             return False, f"chunked: {why}"
-    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}"
+    turns = f", {args.layer_major_slice} layer-chunks a turn" if args.layer_major_slice else ", one turn"
+    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}{turns}"

@@ -13,6 +13,8 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from msgspec.structs import replace
+
 from ..config.model import ModelConfig
 from ..config.pools import PoolSizes
 from ..config.server_args import ServerArgs
@@ -28,7 +30,7 @@ from ..messages import (
     Usage,
 )
 from .checkpoint_plan import CheckpointPlan, plan_prompt
-from .chunking import chunk_step
+from .chunking import chunk_bounds, chunk_step
 from .hc_shard import hc_shard_decision
 from .layer_major import layer_major_decision
 from .pools import PagePool, SlotPool
@@ -51,7 +53,7 @@ class Scheduler:
         self.counters: dict[str, int] = {
             "requests_finished": 0, "requests_aborted": 0, "prompt_tokens": 0, "generation_tokens": 0,
             "forwards": 0, "prefill_forwards": 0, "cache_queries": 0, "cache_hits": 0, "cached_tokens": 0,
-            "preemptions": 0, "decodes_ahead": 0,
+            "preemptions": 0, "decodes_ahead": 0, "layer_major_turns": 0,
             "checkpoints_written": 0, "checkpoints_evicted": 0, "pages_evicted": 0, "request_forwards": 0,
         }
         self.cache: PrefixCache | None = None
@@ -66,6 +68,8 @@ class Scheduler:
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
         self.batch_id = 0
+        self._lm_last = False  # the latest batch was a turn of a layer-major prefill
+        self._lm_drop = False  # a layer-major prefill the executor holds ended between its turns
 
     # ---- inbound ------------------------------------------------------------------------------
     def add_request(self, msg: GenerateReq, want_logits: bool = False) -> None:
@@ -113,6 +117,12 @@ class Scheduler:
         else:
             self._finish(req, reason)
 
+    def _end_request(self, req: Request) -> None:
+        """A request leaves: a layer-major prefill the executor holds for it (between turns) is let go."""
+        if req.lm_spec is not None and req.lm_turn < req.lm_turns:
+            self._lm_drop = True
+        req.lm_spec = None
+
     # ---- turn ---------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,9 +132,18 @@ class Scheduler:
         is scheduled ahead: a request whose segment there samples also decodes in this batch, on the
         token it is about to sample (see :meth:`_ahead_segment`)."""
         self._admit()
+        if self._lm_drop:  # a layer-major prefill ended between its turns: the executor lets it go first
+            self._lm_drop = False
+            return self._batch([], mode="layer_major", drop=True)
+        sampling = {seg.rid: seg for seg in ahead_of.segments if seg.sample} if ahead_of is not None else {}
+        lm = self._layer_major_pending()
+        if lm is not None and not lm.in_flight and (not self._lm_last or not any(
+                r.prefill_done and not r.in_flight or r.in_flight == 1 and r.rid in sampling
+                for r in self.running.values())):
+            # Turns of the prefill alternate with the running requests' decode steps; other prompts wait.
+            return self._layer_major_turn(lm)
         segments: list[SegmentSpec] = []
         copies: list[list[int]] = []
-        sampling = {seg.rid: seg for seg in ahead_of.segments if seg.sample} if ahead_of is not None else {}
         for req in list(self.running.values()):
             if req.status is not Status.RUNNING:
                 continue
@@ -136,50 +155,89 @@ class Scheduler:
                     segments.append(seg)
         # A preemption above may have emptied a decode taken before it.
         segments = [seg for seg in segments if self.requests[seg.rid].status is Status.RUNNING]
+        if lm is not None:
+            self._lm_last = False
+            return self._batch(segments) if segments else None
         budget = self.args.max_prefill_length or float("inf")
         used = 0
-        mode = "chunked"
         for req in self.running.values():
             if req.prefill_done or req.in_flight:
                 continue
             start, end = req.chunks[req.next_chunk]
-            # A layer-major forward (longer than one chunk) is the whole turn.
+            # A single-turn layer-major forward (longer than one chunk) is the whole turn.
             alone = req.layer_major and end - start > budget
             if (used and used + (end - start) > budget) or (alone and segments):
                 break
-            exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
-            last = end == req.prefill_len
-            if last and self._checkpoints_at(end) and not req.want_logits:
-                slot = self._rolling_slot(req)
-                if slot is not None:
-                    exports.append([end - start, slot])
-            base, pages = self._page_delta(req)
-            # A resumed request (preempted while decoding) already holds its next token: no sample.
-            segments.append(self._with_history(req, SegmentSpec(
-                rid=req.rid, slot=req.slot, start=start, token_ids=req.tokens(start, end), pages=pages,
-                page_base=base, sample=last and not req.want_logits and not req.output and req.max_tokens > 0,
-                sampling=req.sampling, sample_index=0, exports=exports, want_logits=req.want_logits,
-                **self._prompt_targets(req, start, end),
-            )))
+            if alone:
+                return self._layer_major_turn(req)
+            segments.append(self._prefill_segment(req, start, end))
             copies += req.copies
             req.copies = []
             used += end - start
-            if alone:
-                mode = "layer_major"
-                break
         if not segments:
             return None
+        return self._batch(segments, copies)
+
+    def _prefill_segment(self, req: Request, start: int, end: int) -> SegmentSpec:
+        exports = [[pos - start, slot] for pos, slot in sorted(req.exports.items()) if start < pos <= end]
+        last = end == req.prefill_len
+        if last and self._checkpoints_at(end) and not req.want_logits:
+            slot = self._rolling_slot(req)
+            if slot is not None:
+                exports.append([end - start, slot])
+        base, pages = self._page_delta(req)
+        # A resumed request (preempted while decoding) already holds its next token: no sample.
+        return self._with_history(req, SegmentSpec(
+            rid=req.rid, slot=req.slot, start=start, token_ids=req.tokens(start, end), pages=pages,
+            page_base=base, sample=last and not req.want_logits and not req.output and req.max_tokens > 0,
+            sampling=req.sampling, sample_index=0, exports=exports, want_logits=req.want_logits,
+            **self._prompt_targets(req, start, end),
+        ))
+
+    def _batch(self, segments: list[SegmentSpec], copies: list[list[int]] | None = None, **layer_major) -> Batch:
         for seg in segments:
             self.requests[seg.rid].in_flight += 1
         ahead = sum(1 for seg in segments if seg.token_ids == [-1])
         self.counters["decodes_ahead"] += ahead
         self.batch_id += 1
+        if layer_major:
+            return Batch(batch_id=self.batch_id, segments=segments, copies=copies or [], **layer_major)
         rows = sum(len(seg.token_ids) for seg in segments)
         decodes = ahead > 0 or any(self.requests[s.rid].prefill_done for s in segments)
         shard, _ = hc_shard_decision(self.args, rows, decodes)
-        return Batch(batch_id=self.batch_id, segments=segments, copies=copies, mode=mode,
-                     chunk_size=chunk_step(self.args.max_prefill_length) if mode == "layer_major" else 0,
-                     hc_shard=shard)
+        return Batch(batch_id=self.batch_id, segments=segments, copies=copies or [], hc_shard=shard)
+
+    def _layer_major_pending(self) -> Request | None:
+        """The request whose layer-major prefill runs over several turns (``--layer-major-slice`` > 0), once
+        admitted and until its last turn is answered."""
+        if not self.args.layer_major_slice:
+            return None
+        return next((r for r in self.running.values()
+                     if r.layer_major and not r.prefill_done and r.status is Status.RUNNING), None)
+
+    def _layer_major_turn(self, req: Request) -> Batch:
+        """The next turn of ``req``'s layer-major prefill: the first carries its whole segment (tokens, pages,
+        restores, exports), later ones name it, and the last (which samples) carries it again for the result."""
+        chunk = chunk_step(self.args.max_prefill_length)
+        copies: list[list[int]] = []
+        if req.lm_spec is None:
+            start, end = req.chunks[req.next_chunk]
+            req.lm_spec = self._prefill_segment(req, start, end)
+            copies, req.copies = req.copies, []
+            pairs = self.config.num_hidden_layers * (len(chunk_bounds(start, end, chunk)) - 1)
+            size = self.args.layer_major_slice
+            req.lm_turn, req.lm_turns = 0, 1 if not size else -(-pairs // size)
+        spec, turn = req.lm_spec, req.lm_turn
+        last = turn == req.lm_turns - 1
+        if last:
+            seg = replace(spec, pages=spec.pages if turn == 0 else [])
+        else:
+            seg = replace(spec, sample=False, pages=spec.pages if turn == 0 else [],
+                          token_ids=spec.token_ids if turn == 0 else [], history=[], exports=[])
+        req.lm_turn += 1
+        self._lm_last = True
+        return self._batch([seg], copies, mode="layer_major", chunk_size=chunk, turn=turn, turns=req.lm_turns,
+                           layer_chunks=self.args.layer_major_slice)
 
     @staticmethod
     def _prompt_targets(req: Request, start: int, end: int) -> dict:
@@ -266,7 +324,7 @@ class Scheduler:
             if not preempt:
                 return False
             victim = next((r for r in reversed(self.running.values())
-                           if not r.in_flight and not r.want_logits), None)
+                           if not r.in_flight and not r.want_logits and r.lm_spec is None), None)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -303,6 +361,19 @@ class Scheduler:
                        prompt_logprobs: dict[int, list[TokenLogprob]] | None = None) -> None:
         """``logprobs``: segment index -> the sampled token's log-probabilities (requests that asked);
         ``prompt_logprobs``: segment index -> its prompt targets' log-probabilities."""
+        if batch.mode == "layer_major":
+            if batch.drop:
+                return
+            self.counters["layer_major_turns"] += 1
+            req = self.requests.get(batch.segments[0].rid)
+            if batch.turn < batch.turns - 1:  # more turns to go: nothing computed is complete yet
+                if req is not None and req.status is Status.RUNNING:
+                    req.in_flight -= 1
+                    if req.abort_reason is not None:
+                        self._finish(req, req.abort_reason)
+                return
+            if req is not None:
+                req.lm_spec = None
         self.counters["forwards"] += 1
         for index, (seg, tok) in enumerate(zip(batch.segments, token_ids, strict=True)):
             req = self.requests.get(seg.rid)
@@ -408,8 +479,10 @@ class Scheduler:
             req.status = Status.RUNNING
             if req.restore is not None:
                 req.copies = [[req.restore.slot, req.slot]]
+            busy = any(r.layer_major and not r.prefill_done for r in self.running.values())
             req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
-                                                        len(self.running) + len(self.waiting), req.full_prompt)
+                                                        len(self.running) + len(self.waiting), req.full_prompt,
+                                                        busy)
             plan = self._plan(req)
             self.running[req.rid] = req
             if req.admitted:  # resumed after a preemption: admitted (and reported) once already
@@ -419,7 +492,8 @@ class Scheduler:
             self.emit(PromptAdmitted(
                 rid=req.rid, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
                 plan=Plan(mode="layer_major" if req.layer_major else "chunked", chunks=[list(c) for c in req.chunks],
-                          checkpoints=plan.checkpoints, reason=f"{why}; {plan.reason}"),
+                          checkpoints=plan.checkpoints, reason=f"{why}; {plan.reason}",
+                          slice=self.args.layer_major_slice if req.layer_major else 0),
             ))
 
     def _take_memory(self, req: Request) -> bool:
@@ -477,6 +551,7 @@ class Scheduler:
     # ---- ending -------------------------------------------------------------------------------
     def _finish(self, req: Request, reason: str, new_tokens: list[int] | None = None,
                 error: str | None = None, new_logprobs: list[TokenLogprob] | None = None) -> None:
+        self._end_request(req)
         req.status = Status.FINISHED
         if self.cache is not None:
             self._release_cache_state(req, publish=reason in ("stop", "length"))

@@ -7,6 +7,7 @@ and a fresh model scoring the same tokens.
 from __future__ import annotations
 
 import asyncio
+from contextlib import contextmanager
 
 import aiohttp
 import pytest
@@ -53,7 +54,8 @@ def test_default_off():
     ({}, 32769, 0, False, "--layer-major-max-tokens"),      # over the cap
     ({"ple_backend": "disk"}, 8000, 0, False, "disk"),
     ({"ple_backend": "pinned"}, 8000, 0, True, "layer-major"),
-    ({}, 8000, 1, False, "other request"),                  # a second request running
+    ({"layer_major_slice": 0}, 8000, 1, False, "other request"),  # one turn: a second request running
+    ({}, 8000, 1, True, "layer-chunks a turn"),             # over turns: others decode meanwhile
     ({"moe_strategy": "resident"}, 8000, 0, False, "offload"),
     ({"tp": 2}, 8000, 0, False, "--tp 2"),
 ])
@@ -65,6 +67,17 @@ def test_eligibility_boundaries(kw, new, others, eligible, words):
 def test_scoring_request_is_not_layer_major():
     ok, why = layer_major_decision(_args(), 8000, 0, True)
     assert not ok and "scoring" in why
+
+
+@contextmanager
+def one_turn(store: ExpertStore):
+    """A layer-major prefill of one turn, as the executor runs it."""
+    store.begin()
+    try:
+        with store.whole_layers():
+            yield
+    finally:
+        store.end()
 
 
 # ---- greedy ids and expert streaming -------------------------------------------------------------
@@ -133,7 +146,7 @@ def test_start_copies_the_first_two_layers():
     x = torch.randn(5, 8, generator=g)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
     weights = torch.full((5, 2), 0.5)
-    with store.hold():
+    with one_turn(store):
         assert store.stats()["expert_layer_streams"] == [0, 0, 0]
         store.start()
         assert store.stats()["expert_layer_streams"] == [1, 1, 0]
@@ -161,7 +174,7 @@ def test_finished_layer_starts_the_layer_after_next():
     x = torch.randn(5, 8, generator=g)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
     weights = torch.full((5, 2), 0.5)
-    with store.hold():
+    with one_turn(store):
         out = {1: store.forward(1, x, ids, weights)}
         assert store.stats()["expert_layer_streams"] == [1, 1, 0]
         store.finished(1)
@@ -188,7 +201,7 @@ def test_layer_streams_take_cached_experts_from_their_slots(device):
     store.forward(3, x, few, weights)
     assert store.stats()["expert_loads"] == [0, 2, 0]
     ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]], device=device)
-    with store.hold():
+    with one_turn(store):
         for layer in (1, 3, 5):
             got = store.forward(layer, x, ids, weights)
             want = fused_experts_ref(x.cpu(), ids.cpu(), weights.cpu(), gate_up[layer], down[layer])

@@ -10,8 +10,9 @@ at PCIe speed and asynchronously) and the device keeps:
   slots, or misses covering most of the layer: long prefill chunks hit nearly every expert): the
   layer is copied whole, and the next layer is copied on a side stream while this one computes.
 
-Chunked prefill streams every layer once per chunk; layer-major prefill (``hold``) streams each
-layer once for all its chunks. A whole-layer copy takes the experts the cache holds from their slots
+Chunked prefill streams every layer once per chunk; layer-major prefill (``begin``) streams each
+layer once for all its chunks, over one scheduling turn or several with decode steps between them. A
+whole-layer copy takes the experts the cache holds from their slots
 on the device and copies only the rest from host memory. Counters per layer (experts copied from the
 host, bytes, whole-layer streams) show which happened; the server reports them on ``/metrics``.
 """
@@ -62,6 +63,9 @@ class ExpertStore:
         # issued before it, so uploads that a layer will need go on this stream, ahead of later layers.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._whole_layers = False
+        # A layer-major prefill's snapshot of the cache: per layer not yet copied whole, expert -> slot (host)
+        # and as device tensors of expert ids and slots.
+        self._held: dict[int, dict[int, int]] | None = None
         self._held_indices: dict[int, tuple[torch.Tensor, torch.Tensor] | None] | None = None
         self.loads = {layer: 0 for layer in self.layers}
         self.bytes = {layer: 0 for layer in self.layers}
@@ -72,19 +76,34 @@ class ExpertStore:
         gate_up, down, local_ids = self._experts_for(layer, ids)
         return fused_experts(x, local_ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype))
 
-    @contextmanager
-    def hold(self):
-        """Layer-major prefill: every MoE call takes its layer whole from the double buffer, so the
-        chunks of one layer share one copy and the next layer streams meanwhile (:meth:`start` begins).
-        Restored on exit, however it ends."""
-        previous, self._whole_layers = self._whole_layers, True
-        # Whole layers leave the cache as it is: where each layer's cached experts sit is uploaded now, in
-        # one copy, rather than per layer behind the layer copies already queued on the copy engine.
+    def begin(self) -> None:
+        """A layer-major prefill starts: its MoE calls (inside :meth:`whole_layers`) take their layer whole
+        from the double buffer, so the chunks of one layer share one copy and the next layer streams
+        meanwhile (:meth:`start` begins). Whole layers leave the cache as it is: where each layer's cached
+        experts sit is uploaded now, in one copy, rather than per layer behind the layer copies already queued
+        on the copy engine. Until a layer's buffer is filled, the cache keeps those experts where they are
+        (decode steps between the prefill's turns evict others first), so the copy stays exact."""
+        self._held = {layer: dict(pairs) for layer, pairs in self._cached(self.layers).items()}
         self._held_indices = self._cached_indices(self.layers)
+
+    def end(self) -> None:
+        """The layer-major prefill is over (finished, failed or dropped)."""
+        self._whole_layers, self._held, self._held_indices = False, None, None
+
+    @property
+    def active(self) -> bool:
+        """A layer-major prefill holds the layer buffers (between :meth:`begin` and :meth:`end`)."""
+        return self._held is not None
+
+    @contextmanager
+    def whole_layers(self):
+        """One turn of the layer-major prefill: every MoE call takes its layer whole. Restored on exit,
+        however it ends."""
+        self._whole_layers = True
         try:
             yield self
         finally:
-            self._whole_layers, self._held_indices = previous, None
+            self._whole_layers = False
 
     def start(self) -> None:
         """Layer-major: copy the first two MoE layers now, one into each buffer, back to back on the copy
@@ -113,7 +132,10 @@ class ExpertStore:
             return (*self._layer(layer), ids)
         experts = torch.unique(ids).tolist()  # offload needs the routed set on the host
         misses = sum(1 for e in experts if (layer, e) not in self._lru)
-        if len(experts) > self.num_slots or misses > self.num_experts * STREAM_FRACTION:
+        # Between the turns of a layer-major prefill the layer buffers hold its layers: a batch takes a layer
+        # whole only if the cache cannot hold its experts (the prefill then copies the layers it lost again).
+        whole = misses > self.num_experts * STREAM_FRACTION and not self.active
+        if len(experts) > self.num_slots or whole:
             return (*self._layer(layer), ids)
         slots = self._cache(layer, experts)
         remap = torch.full((self.num_experts,), -1, dtype=torch.long)
@@ -140,8 +162,7 @@ class ExpertStore:
                 if self._free:
                     slot = self._free.pop()
                 else:
-                    victim = next(k for k in self._lru if k not in needed)
-                    slot = self._lru.pop(victim)
+                    slot = self._lru.pop(self._victim(needed))
                 self.cache_gate_up[slot].copy_(self.gate_up[layer][e], non_blocking=True)
                 self.cache_down[slot].copy_(self.down[layer][e], non_blocking=True)
                 self.loads[layer] += 1
@@ -150,6 +171,19 @@ class ExpertStore:
             self._lru.move_to_end(key)
             slots.append(slot)
         return slots
+
+    def _victim(self, needed: set[tuple[int, int]]) -> tuple[int, int]:
+        """The least recently used entry outside ``needed``; while a layer-major prefill holds a snapshot,
+        one it will not copy from if there is any (else the snapshot of that layer is dropped: its fill then
+        reads the cache as it is)."""
+        if self._held is not None:
+            for key in self._lru:
+                if key not in needed and key[1] not in self._held.get(key[0], ()):
+                    return key
+        key = next(k for k in self._lru if k not in needed)
+        if self._held is not None and key[0] in self._held:
+            del self._held[key[0]]
+        return key
 
     def _cached(self, layers: list[int]) -> dict[int, list[tuple[int, int]]]:
         """Per layer, ``(expert, slot)`` of the experts the cache holds, by expert id."""
@@ -206,11 +240,12 @@ class ExpertStore:
         compute stream, in order with the cache's own writes), the rest from host memory in runs of
         consecutive experts (on the copy stream, after the work that may still read the buffer)."""
         gate_up, down = self._buffers[index]
-        cached = {e for e, _ in self._cached([layer])[layer]}
+        snapshot = self._held is not None and layer in self._held
+        cached = set(self._held.pop(layer)) if snapshot else {e for e, _ in self._cached([layer])[layer]}
         if cached:
             if self._buffer_ready[index] is not None:  # a fill of this buffer still under way on the copy stream
                 torch.cuda.current_stream(self.device).wait_event(self._buffer_ready[index])
-            held = self._held_indices if self._held_indices is not None else self._cached_indices([layer])
+            held = self._held_indices if snapshot else self._cached_indices([layer])
             experts, slots = held[layer]
             gate_up.index_copy_(0, experts, self.cache_gate_up.index_select(0, slots))
             down.index_copy_(0, experts, self.cache_down.index_select(0, slots))
