@@ -232,3 +232,24 @@ def test_bench_decode_gemm_lists_the_weights_a_decode_step_multiplies_by(monkeyp
     assert "linear_attn.in_proj_z" not in names and "mlp.shared_expert.gate_proj" not in names
     assert "linear_attn.out_proj" in names and "mlp.gate" in names
     assert not any("experts." in n or "embed" in n or n == "lm_head" for n in names)
+
+
+def test_bench_stall_free_runs_on_cpu(tmp_path):
+    """The stall-free benchmark end to end on the tiny preset: the long prompt runs layer-major over turns
+    with conversations decoding in the stall-free arm, chunked in the others, and the figures are there."""
+    out = tmp_path / "sf"
+    proc = subprocess.run([sys.executable, script("bench_stall_free.py"), "--out", str(out),
+                           "--preset", "tiny", "--device", "cpu", "--cold", "600", "--chunk", "128",
+                           "--conversations", "2", "--slice", "2", "--long-tokens", "4", "--chat-tokens", "2000",
+                           "--baseline-s", "1.5", "--cache-fraction", "0.3"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench_stall_free.json").read_text())
+    modes = {arm: rows["2"]["long_mode"] for arm, rows in data["summary"].items()}
+    assert modes == {"stall_free": "layer_major", "single_turn": "chunked", "chunked": "chunked"}
+    for arm in data["arms"]:
+        assert arm["left_after_stop"] == []
+        r = arm["rounds"][0]
+        assert r["during_prefill"]["gaps"] > 0 and r["baseline"]["gaps"] > 0
+        assert r["long_first_text_s"] > 0 and arm["alone_first_text_s"] > 0
+    assert data["summary"]["stall_free"]["2"]["first_text_over_single_turn_alone"] > 0
