@@ -229,11 +229,12 @@ class Scheduler:
             req.lm_turn, req.lm_turns = 0, 1 if not size else -(-pairs // size)
         spec, turn = req.lm_spec, req.lm_turn
         last = turn == req.lm_turns - 1
-        if last:
-            seg = replace(spec, pages=spec.pages if turn == 0 else [])
+        if turn == 0:  # the executor builds the prefill from this one
+            seg = spec if last else replace(spec, sample=False)
+        elif last:
+            seg = replace(spec, pages=[])
         else:
-            seg = replace(spec, sample=False, pages=spec.pages if turn == 0 else [],
-                          token_ids=spec.token_ids if turn == 0 else [], history=[], exports=[])
+            seg = replace(spec, sample=False, pages=[], token_ids=[], history=[], exports=[])
         req.lm_turn += 1
         self._lm_last = True
         return self._batch([seg], copies, mode="layer_major", chunk_size=chunk, turn=turn, turns=req.lm_turns,

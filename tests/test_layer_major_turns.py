@@ -128,6 +128,12 @@ def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_ch
     layers = llm.config.num_hidden_layers
     chunks = math.ceil(len(LONG) / CHUNK)
     assert len(d.turns()) == (1 if size == 0 else math.ceil(layers * chunks / size))
+    if size:  # every state the prefill wrote (its checkpoints' included) equals one turn's, bit for bit
+        one = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_slice=0,
+                  **{**OFFLOAD, "moe_cache_slots": slots})
+        assert one.generate([LONG], max_tokens=8, ignore_eos=True)[0] == alone["long"]
+        for got, want in zip(llm.runner.states._tensors(), one.runner.states._tensors(), strict=True):
+            assert torch.equal(got, want)
 
     start_conversations(d)
     first = len(d.batches)
