@@ -115,15 +115,15 @@ def test_health_answers_while_a_long_prompt_is_tokenized(request, which, words):
 
     thread = threading.Thread(target=send)
     thread.start()
+    time.sleep(0.02)  # the long body is sent and parsing
     other = threading.Thread(target=send_short)
+    other.start()
     probes = []
     while thread.is_alive():
         t0 = time.monotonic()
         with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
             assert r.status == 200
         probes.append(time.monotonic() - t0)
-        if len(probes) == 2:
-            other.start()
         time.sleep(0.01)
     thread.join()
     other.join()
@@ -131,7 +131,9 @@ def test_health_answers_while_a_long_prompt_is_tokenized(request, which, words):
     assert result["status"] == 400 and "tokens" in result["body"]["error"]["message"], result
     assert len(probes) >= 5, (probes, result)
     assert max(probes) <= 0.05, (sorted(probes)[-5:], result["elapsed"])
-    assert short is not None and short[1] == 2 and short[0] < result["elapsed"], (short, result["elapsed"])
+    assert short is not None and short[1] == 2, short
+    if words >= 400_000:  # seconds of tokenizing: the short request does not wait for them
+        assert short[0] < result["elapsed"], (short, result["elapsed"])
 
 
 def raw_request(server: Server, body: dict) -> socket.socket:
