@@ -198,3 +198,24 @@ def check(obs: dict[str, Any], prompt_tokens: int, max_tokens: int, received: in
         res["length_is_max_tokens"] = None if completion == max_tokens else (
             f"finish_reason length with usage.completion_tokens {completion} != max_tokens {max_tokens}")
     return res
+
+
+async def stream_events(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                        events: list[float], info: dict, model: str = "bench") -> None:
+    """One greedy streamed completion of ``max_tokens`` (``ignore_eos``); the arrival time
+    (``time.monotonic``) of each SSE event with text is appended to ``events`` as it comes, so a cancelled
+    stream keeps what it saw; ``info`` gets the response ``id`` and the final ``usage``."""
+    body = request_body(model, prompt, max_tokens, logprobs=False)
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise EndpointError(f"{url}: {_error_text(r.status, await r.read())}")
+        async for raw in r.content:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            info.setdefault("id", chunk.get("id"))
+            if chunk.get("usage"):
+                info["usage"] = chunk["usage"]
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                events.append(time.monotonic())

@@ -34,3 +34,8 @@ def summarize(values: Iterable[float | None]) -> dict[str, float | int | None]:
         out[f"p{q}"] = percentile(xs, q)
     out["min"], out["max"] = min(xs), max(xs)
     return out
+
+
+def gaps(events: list[float], lo: float, hi: float) -> list[float]:
+    """Gaps between consecutive event times of one stream whose later event falls in ``[lo, hi]``."""
+    return [b - a for a, b in zip(events, events[1:], strict=False) if lo <= b <= hi]

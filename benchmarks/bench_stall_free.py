@@ -31,8 +31,9 @@ import time
 import aiohttp
 import torch
 
+from tidal.bench.client import stream_events
 from tidal.bench.server import Server
-from tidal.bench.stats import percentile
+from tidal.bench.stats import gaps, percentile
 from tidal.bench.tap import TapReader, tap_rid
 from tidal.executor.presets import write_checkpoint
 
@@ -43,30 +44,6 @@ ARM_FLAGS = {
 }
 CHAT_PROMPT = 512  # tokens of each conversation's prompt
 BASELINE_EVENTS = 32  # text events each conversation streams before the baseline window opens
-
-
-async def stream(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                 events: list[float], info: dict) -> None:
-    """One greedy streamed completion; the arrival time of each SSE event with text appended to ``events``
-    as it comes (so a cancelled stream keeps what it saw)."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {(await r.read())[:300]!r}")
-        async for raw in r.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            info.setdefault("id", chunk.get("id"))
-            if any(c.get("text") for c in chunk.get("choices") or []):
-                events.append(time.monotonic())
-
-
-def gaps(events: list[float], lo: float, hi: float) -> list[float]:
-    """Inter-event gaps of one stream whose later event falls in ``[lo, hi]``."""
-    return [b - a for a, b in zip(events, events[1:], strict=False) if lo <= b <= hi]
 
 
 def window_stats(streams: list[list[float]], lo: float, hi: float) -> dict:
@@ -81,7 +58,7 @@ async def one_round(url: str, n: int, chats: list[list[int]], long_prompt: list[
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         streams: list[list[float]] = [[] for _ in range(n)]
-        tasks = [asyncio.create_task(stream(session, url, chats[i], ns.chat_tokens, streams[i], {}))
+        tasks = [asyncio.create_task(stream_events(session, url, chats[i], ns.chat_tokens, streams[i], {}))
                  for i in range(n)]
         while min(len(s) for s in streams) < BASELINE_EVENTS:
             for t in tasks:
@@ -95,7 +72,7 @@ async def one_round(url: str, n: int, chats: list[list[int]], long_prompt: list[
         long_events: list[float] = []
         info: dict = {}
         sent = time.monotonic()
-        await stream(session, url, long_prompt, ns.long_tokens, long_events, info)
+        await stream_events(session, url, long_prompt, ns.long_tokens, long_events, info)
         done = time.monotonic()
         first = long_events[0]
         ended = [t.done() for t in tasks]
@@ -114,7 +91,7 @@ async def solo(url: str, prompt: list[int], max_tokens: int) -> float:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         events: list[float] = []
         sent = time.monotonic()
-        await stream(session, url, prompt, max_tokens, events, {})
+        await stream_events(session, url, prompt, max_tokens, events, {})
     return events[0] - sent
 
 

@@ -253,3 +253,21 @@ def test_bench_stall_free_runs_on_cpu(tmp_path):
         assert r["during_prefill"]["gaps"] > 0 and r["baseline"]["gaps"] > 0
         assert r["long_first_text_s"] > 0 and arm["alone_first_text_s"] > 0
     assert data["summary"]["stall_free"]["2"]["first_text_over_single_turn_alone"] > 0
+
+
+def test_bench_serving_runs_on_cpu(tmp_path):
+    """The serving benchmark end to end on the tiny preset: every figure and its forward-level counterpart."""
+    out = tmp_path / "sv"
+    proc = subprocess.run([sys.executable, script("bench_serving.py"), "--out", str(out), "--preset", "tiny",
+                           "--device", "cpu", "--lengths", "128,512", "--concurrency", "1,4", "--burst-prompt", "64",
+                           "--burst-tokens", "16"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench_serving.json").read_text())
+    served, forward, ratios = data["serving"], data["forward"], data["ratios"]
+    assert served["left_after_stop"] == [] and served["start_to_ready_s"] > 0
+    assert served["continuation"]["cached_tokens"] == 512
+    assert set(served["cold"]) == set(forward["prefill_s"]) == {"128", "512"}
+    for c in ("1", "4"):
+        assert served["bursts"][c]["all_tokens"] and forward["step_s"][c] > 0
+        assert ratios["bursts"][c]["wall_over_forward"] > 0 and ratios["bursts"][c]["decode_over_forward"] > 0
+    assert all(r > 0 for r in ratios["cold_over_forward"].values()) and ratios["first_over_warm"] > 0
