@@ -65,6 +65,9 @@ class ServerArgs:
     layer_major_slice: int = 4  # (layer, internal chunk) pairs per scheduling turn; 0: the whole prefill in one
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    # Warm-up before ready (compile kernels, capture decode graphs) and where compiled kernels persist.
+    skip_warmup: bool = False
+    compile_cache: str | None = None  # None: $XDG_CACHE_HOME/tidal/compile
     # Wiring.
     api_key: str | None = None
     tap_addr: str | None = None
@@ -185,6 +188,9 @@ class ServerArgs:
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
+    def compile_cache_dir(self) -> str:
+        return self.compile_cache or os.path.join(cache_dir(), "compile")
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -304,6 +310,12 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run every decode step eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
                         "with resident experts, --ple-backend gpu and --tp 1)")
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="report ready without the warm-up forwards that compile every kernel variant and capture "
+                        "every decode graph first (they then happen on the first requests that meet them)")
+    p.add_argument("--compile-cache", default=None,
+                   help="directory of compiled kernels, kept across starts so that a second start warms up fast "
+                        "(default: $XDG_CACHE_HOME/tidal/compile)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: none, no key)")
     p.add_argument("--tap-addr", default=None,

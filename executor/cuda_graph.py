@@ -24,7 +24,8 @@ by the vocabulary projection into one buffer all graphs share, and each row's ar
 (:attr:`greedy`, also left in the slot's :attr:`last_ids`; ``kernels/greedy_triton`` on the GPU): a batch
 that samples plainly greedily takes those ids. Other sampling (on the logits in fp32) and the
 end-of-segment checkpoint copies run after the replay as for an eager forward. Graphs are captured when
-a shape is first met and share one memory pool. Without ``capture`` (the CPU) the same padded step runs
+a shape is first met (the warm-up before ready meets every one, :meth:`shapes`) and share one memory
+pool. Without ``capture`` (the CPU) the same padded step runs
 eagerly, which is how CPU tests check it against the eager path.
 """
 
@@ -85,6 +86,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.steps = 0  # decode steps run through the fixed-shape path
+        self.captures = 0  # graphs captured
 
     # -- page tables ---------------------------------------------------------------------------
 
@@ -124,9 +126,20 @@ class DecodeGraphs:
         size = next(b for b in self.sizes if b >= len(positions))
         if not self.ratio:
             return size, 0
-        blocks = max(p + 1 for p in positions) // self.ratio
+        return size, self._blocks(next_pow2(max(p + 1 for p in positions) // self.ratio))
+
+    def _blocks(self, blocks: int) -> int:
         cap = self.max_pages * self.page_size // self.ratio
-        return size, max(1, min(max(MIN_BLOCKS, next_pow2(blocks)), cap))
+        return max(1, min(max(MIN_BLOCKS, blocks), cap))
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every shape ``(rows, QSA blocks)`` a step can take: each padded batch size with each QSA block
+        bucket up to the longest context a graph serves."""
+        if not self.ratio:
+            return [(size, 0) for size in self.sizes]
+        cap = self.max_pages * self.page_size // self.ratio
+        buckets = sorted({self._blocks(1 << i) for i in range(max(cap, 1).bit_length() + 1)})
+        return [(size, blocks) for size in self.sizes for blocks in buckets]
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -149,10 +162,16 @@ class DecodeGraphs:
         it is already (a benchmark also calls this for the shapes its timed steps will meet, so that none
         is captured while it times)."""
         key = self._shape(positions)
-        if self.capture and key not in self._graphs:
+        if self.capture:
+            self.prepare(key)
+        return key
+
+    def prepare(self, key: tuple[int, int]) -> None:
+        """Capture the graph of shape ``key`` unless it is captured already."""
+        if key not in self._graphs:
             self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
             self._graphs[key] = self._record(*key)
-        return key
+            self.captures += 1
 
     def replay_seconds(self, positions: list[int], times: int) -> float:
         """Seconds a step of this shape takes on the device alone: its graph (captured already) replayed

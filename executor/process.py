@@ -18,8 +18,10 @@ from ..config.server_args import ServerArgs
 from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready, Shutdown
 from ..runtime.faults import check, fault
 from ..runtime.ipc import Pull, Push
+from ..scheduler.layer_major import layer_major_decision
 from .distributed import init_tp
 from .runner import Launched, build_runner
+from .warm import CompileCounter, WarmUp, use_compile_cache
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,12 @@ def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
                          f"start every host with the same flags and checkpoint")
 
 
+def layer_major_chunk(args: ServerArgs) -> int:
+    """The internal chunk of this server's layer-major prefills (0: it runs none)."""
+    eligible, _ = layer_major_decision(args, (args.max_prefill_length or 0) + 1, 0, False)
+    return args.max_prefill_length if eligible else 0
+
+
 def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     ctx = zmq.Context()
     inbound: Pull = Pull(ctx, args.bind_addr(args.executor_addrs()[rank]), ExecutorInbound, bind=True)
@@ -71,7 +79,19 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
             torch.cuda.set_device(device)
         init_tp(rank, args.tp, args.dist_init_addr, "nccl" if device.startswith("cuda") else "gloo")
         check_agreement(args, config, rank)
+    use_compile_cache(args.compile_cache_dir(), explicit=args.compile_cache is not None)
+    compiles = CompileCounter()
     runner = build_runner(args, config, sizes, model_path, device=device)
+    runner.compiles, compiles.graphs = compiles, runner.graphs
+    if runner.device.type == "cuda" and not args.skip_warmup:
+        warm = WarmUp(runner, sizes.request_slots, sizes.num_pages, args.max_prefill_length or sizes.max_model_len,
+                      args.max_running_requests,
+                      layer_major_chunk=layer_major_chunk(args))
+        seconds = warm.run()
+        logger.info("rank %d warmed up in %.1f s: %d steps, %d kernels compiled or loaded (cache %s), %d decode "
+                    "graphs captured", rank, seconds, len(warm.steps()), compiles.compiles,
+                    args.compile_cache_dir(), compiles.captures)
+    compiles.ready()
     control.send(Ready(role=f"executor-{rank}"))
     logger.info("rank %d ready on %s (%s%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,
                 str(next(runner.model.parameters()).dtype).replace("torch.", ""),

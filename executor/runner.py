@@ -26,6 +26,7 @@ from .offload.ple_table import PinnedTable, RowsAhead
 from .sampler import Sampler, TokenCounts
 from .structured import GrammarStates
 from .upload import device_ints
+from .warm import CompileCounter
 
 GREEDY = SamplingParams()
 # Threads gathering pinned PLE rows ahead of a layer-major prefill, one internal chunk per task: random
@@ -84,6 +85,7 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
         self.unfinished: dict[int, Launched] = {}  # slot -> the launched batch that samples it, not yet finished
         self.graphs: DecodeGraphs | None = None
+        self.compiles: CompileCounter | None = None  # the serving executor's (warm.py)
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
         self.layer_major: LayerMajorPrefill | None = None  # the layer-major prefill under way, over turns
         self.layer_major_rid: str | None = None
@@ -106,7 +108,15 @@ class ModelRunner:
             out["tp_hc_shard_forwards"] = [self.hc_shard_forwards]
         if self.graphs is not None and self.graphs.capture:
             out["cuda_graph_replays"] = [self.graphs.steps]
+        if self.compiles is not None:
+            compiles, captures = self.compiles.after_ready()
+            out["compilations_after_ready"] = [compiles]
+            out["graph_captures_after_ready"] = [captures]
         return out
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def execute(self, batch: Batch) -> RunnerOutput:
         return self.finish(self.launch(batch))

@@ -123,7 +123,10 @@ class Metrics:
                      tp_all_gathers="All-gathers issued by executor rank 0.",
                      tp_reduce_scatters="Reduce-scatters issued by executor rank 0.",
                      tp_hc_shard_forwards="Forwards run with hyper-connection row sharding.",
-                     cuda_graph_replays="Decode steps replayed from CUDA graphs.")
+                     cuda_graph_replays="Decode steps replayed from CUDA graphs.",
+                     compilations_after_ready="Kernel specializations compiled or loaded after ready (the "
+                                              "warm-up missed them).",
+                     graph_captures_after_ready="Decode graphs captured after ready (the warm-up missed them).")
         for name, values in sorted(s.executor_stats.items()):
             lines += [f"# HELP tidal_{name}_total {helps.get(name, name)}", f"# TYPE tidal_{name}_total counter"]
             if name.startswith("expert_"):

@@ -63,6 +63,9 @@ def test_latency_histograms_count_every_request_and_token(server, client):
     e2e_sum = after["tidal_e2e_request_latency_seconds_sum"] - before["tidal_e2e_request_latency_seconds_sum"]
     ttft_sum = after["tidal_time_to_first_token_seconds_sum"] - before["tidal_time_to_first_token_seconds_sum"]
     assert e2e_sum >= ttft_sum > 0
+    # What the warm-up before ready missed (on the CPU nothing compiles or is captured).
+    assert after["tidal_compilations_after_ready_total"] == 0
+    assert after["tidal_graph_captures_after_ready_total"] == 0
 
 
 def test_prefix_cache_hit_rates_and_checkpoint_counts(server, client):

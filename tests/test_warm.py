@@ -1,0 +1,150 @@
+"""The warm-up before ready: its steps cover every kernel specialization class and decode-graph shape a
+served batch can meet, and its forwards leave nothing behind that changes what requests generate.
+
+(On a GPU the server's ``tidal_compilations_after_ready_total`` and
+``tidal_graph_captures_after_ready_total`` count what it missed; ``tests/test_forward_gpu.py`` checks
+they stay 0.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from tidal import LLM
+from tidal.executor.warm import WarmUp, prefill_lengths
+from tidal.kernels.backend import next_pow2
+
+from .test_decode_graphs import PROMPTS, ids
+
+
+def specialization(n: int) -> tuple[int, bool, bool]:
+    """What a Triton launch of a size-``n`` forward can depend on: the tile it pads to, and the integer
+    argument classes (== 1, divisible by 16)."""
+    return next_pow2(n), n == 1, n % 16 == 0
+
+
+@pytest.mark.parametrize("limit", [1, 2, 17, 64, 100, 8192, 8224, 8230])
+def test_prefill_lengths_meet_every_class_up_to_the_limit(limit):
+    lengths = prefill_lengths(limit)
+    assert all(1 <= n <= limit for n in lengths) and len(lengths) == len(set(lengths))
+    met = {specialization(n) for n in lengths}
+    missing = [n for n in range(1, limit + 1) if specialization(n) not in met]
+    assert not missing
+    assert len(lengths) <= 3 * max(1, limit.bit_length()) + 3
+
+
+def test_graph_shapes_hold_every_step_shape(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=20)
+    llm.runner.use_graphs(20, 300, capture=False)
+    graphs = llm.runner.graphs
+    shapes = graphs.shapes()
+    assert len(shapes) == len(set(shapes))
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(3000):
+        rows = rng.randint(1, 20)
+        top = rng.choice([16, 300, 4096, 300 * 16 - 1])
+        seen.add(graphs._shape([rng.randrange(top) for _ in range(rows)]))
+    assert seen <= set(shapes)
+    assert {size for size, _ in shapes} == set(graphs.sizes)
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=4)
+    return llm.generate(PROMPTS + [ids(200, 9)], max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_generation_after_the_warm_up_equals_a_cold_runner(tiny_checkpoint, alone, graphs):
+    llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=4)
+    if graphs:
+        llm.runner.use_graphs(4, 64, capture=False)
+    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 64, 4)
+    kinds = [what for what, _ in warm.steps()]
+    assert kinds.count("prefill") == len(prefill_lengths(68)) and kinds.count("decode") == len(prefill_lengths(3))
+    warm.run()
+    assert llm.generate(PROMPTS + [ids(200, 9)], max_tokens=24, ignore_eos=True) == alone
+    stats = llm.scheduler.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+def test_warm_up_fits_small_pools(tiny_checkpoint):
+    """With few pages and slots, the warm-up shrinks its forwards to the pools instead of failing."""
+    llm = LLM(tiny_checkpoint, max_prefill_length=512, max_running_requests=2, kv_pool_tokens=256,
+              disable_prefix_cache=True)
+    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 512, 2)
+    assert warm.max_prefill <= llm.sizes.num_pages * llm.sizes.page_size // 2
+    warm.run()
+    assert llm.generate([ids(40, 3)], max_tokens=8, ignore_eos=True) == LLM(
+        tiny_checkpoint, max_prefill_length=512, max_running_requests=2, kv_pool_tokens=256,
+        disable_prefix_cache=True).generate([ids(40, 3)], max_tokens=8, ignore_eos=True)
+
+
+def test_layer_major_warm_up_leaves_its_prefills_unchanged(tiny_checkpoint):
+    """A server with layer-major prefills warms one up (2.5 internal chunks) before ready; its long prompts
+    then generate as on a cold runner."""
+    from tidal.config.server_args import ServerArgs
+    from tidal.executor.process import layer_major_chunk
+
+    lm = dict(moe_strategy="offload", moe_cache_slots=4, max_prefill_length=64, prefill_layer_major=True)
+    assert layer_major_chunk(ServerArgs(**lm)) == 64
+    assert layer_major_chunk(ServerArgs(max_prefill_length=64)) == 0
+    prompts = [ids(300, 5), ids(20, 6)]
+    want = LLM(tiny_checkpoint, **lm).generate(prompts, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_checkpoint, **lm)
+    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 64, 4, layer_major_chunk=64)
+    assert ("layer_major", 161) in warm.steps()
+    warm.run()
+    assert llm.generate(prompts, max_tokens=8, ignore_eos=True) == want
+    assert llm.runner.layer_major is None
+
+
+WORKLOAD = """
+import json, sys, torch
+from tidal import LLM
+from tidal.executor.warm import CompileCounter, WarmUp
+counter = CompileCounter()
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_prefill_length=512, max_running_requests=8)
+counter.graphs = llm.runner.graphs
+WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 512, 8).run()
+counter.ready()
+gen = torch.Generator().manual_seed(0)
+prompts = [torch.randint(1000, 240000, (n,), generator=gen).tolist() for n in (1, 7, 16, 100, 513, 1500, 3000)]
+llm.generate(prompts, max_tokens=20, ignore_eos=True)
+llm.generate(prompts[:5] + [prompts[5] + prompts[0]], max_tokens=30, ignore_eos=True)  # cache hits
+llm.generate(prompts[:3], max_tokens=12, temperature=0.8, top_p=0.9, top_k=30, seed=1)
+print(json.dumps(counter.after_ready()))
+"""
+
+
+@pytest.mark.gpu
+def test_no_compilation_or_capture_after_the_warm_up_gpu(tiny_checkpoint):
+    """In a fresh process (Triton's in-memory kernel cache empty), a workload of prompt lengths 1 to 3000,
+    1 to 7 running requests, greedy and filtered sampling and prefix-cache hits
+    compiles no kernel and captures no graph after the warm-up."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", WORKLOAD, tiny_checkpoint], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [0, 0], run.stderr[-4000:]
+
+
+def test_compile_cache_directory(tmp_path, monkeypatch):
+    from tidal.executor.warm import use_compile_cache
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    use_compile_cache(str(tmp_path / "default"), explicit=False)  # the environment's wins over the default
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    use_compile_cache(str(tmp_path / "flag"), explicit=True)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "flag" / "triton")
+    assert (tmp_path / "flag" / "triton").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match="--compile-cache"):
+        use_compile_cache(str(tmp_path / "file"), explicit=True)
