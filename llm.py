@@ -11,7 +11,7 @@ from .config.model import ModelConfig
 from .config.pools import pool_sizes
 from .config.server_args import ServerArgs
 from .executor.runner import build_runner
-from .messages import Detokenize, GenerateReq, SamplingParams
+from .messages import Detokenize, GenerateReq, ImageInput, SamplingParams
 from .scheduler import Scheduler
 
 
@@ -39,14 +39,17 @@ class LLM:
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 0.0,
                  ignore_eos: bool = False, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                 seed: int | None = None) -> list[list[int]]:
+                 seed: int | None = None, images: list[list[ImageInput]] | None = None) -> list[list[int]]:
+        """Generated ids of each prompt; ``images[i]``: prompt ``i``'s images (``tidal.vision.image_input``),
+        whose placeholder runs it holds."""
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
         rids = []
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             rid = f"offline-{next(self._ids)}"
             rids.append(rid)
             self.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=list(prompt), max_tokens=max_tokens,
-                                                   sampling=sampling, ignore_eos=ignore_eos))
+                                                   sampling=sampling, ignore_eos=ignore_eos,
+                                                   images=images[i] if images else []))
         outputs = {rid: [] for rid in rids}
         for event in self._run():
             if isinstance(event, Detokenize) and event.rid in outputs:
@@ -55,11 +58,11 @@ class LLM:
                 outputs[event.rid].extend(event.token_ids)
         return [outputs[rid] for rid in rids]
 
-    def score(self, token_ids: list[int]) -> torch.Tensor:
+    def score(self, token_ids: list[int], images: list[ImageInput] | None = None) -> torch.Tensor:
         """float32 logits ``[len, vocab]``: row ``i`` predicts token ``i + 1``."""
         rid = f"score-{next(self._ids)}"
-        self.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=list(token_ids), max_tokens=0),
-                                   want_logits=True)
+        self.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=list(token_ids), max_tokens=0,
+                                               images=images or []), want_logits=True)
         parts: list[torch.Tensor] = []
         for event in self._run(collect_logits=(rid, parts)):
             if isinstance(event, Detokenize) and event.rid == rid and event.finish_reason == "error":

@@ -73,6 +73,19 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
 
 
 # ---- frontend -> scheduler --------------------------------------------------------------------
+class ImageInput(Struct, array_like=True, omit_defaults=True):
+    """One image of a prompt: its vision tokens are the ``tokens`` placeholder ids at prompt positions
+    ``[offset, offset + tokens)`` (``tokens = t * h * w / merge**2``); ``pixels`` the image processor's
+    ``pixel_values`` rows (float32 ``[t * h * w, patch_dim]``); ``digest`` names its content (the prefix
+    cache keys on it)."""
+
+    offset: int
+    tokens: int
+    grid: list[int]  # (t, h, w) in patches
+    pixels: bytes
+    digest: str
+
+
 class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     rid: str
     prompt_ids: list[int]
@@ -90,6 +103,7 @@ class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):
     # none). Such a request computes its whole prompt (no prefix-cache match); with ``max_tokens``
     # 0 it ends once the prompt is computed.
     prompt_logprobs: int = -1
+    images: list[ImageInput] = []  # in prompt order
 
 
 class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
@@ -220,6 +234,9 @@ class SegmentSpec(Struct, omit_defaults=True, array_like=True):
     # token) and its top ``prompt_logprobs`` alternatives, for rows ``[0, len(prompt_targets))``.
     prompt_targets: list[int] = []
     prompt_logprobs: int = -1
+    # The request's images, on its first segment after admission (``page_base`` 0); the executor keeps
+    # their features and the 3-D positions they give the prompt for the slot from there.
+    images: list[ImageInput] = []
 
 
 class Batch(Struct, tag="Batch", omit_defaults=True):

@@ -103,6 +103,13 @@ class ModelConfig:
     indexer_compress_ratio: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
+    # The multimodal rotary's (temporal, row, column) frequency sections; text positions are equal on all three.
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    # A composite checkpoint's vision tower (its raw ``vision_config``; None: text only) and its token ids.
+    vision_config: dict | None = field(default=None, compare=False, repr=False)
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
     # How the checkpoint stores its weights (config/quant.py); None: in torch_dtype.
     quantization: Quantization | None = field(default=None, compare=False)
     # Raw text-config dict (the executor ranks compare its digest at start-up).
@@ -213,7 +220,14 @@ class ModelConfig:
                 text["dtype"] = outer_dtype
         else:
             text = dict(data)
-        return cls._from_text(text)
+        config = cls._from_text(text)
+        vision = data.get("vision_config") if model_type == "qwen4_exp" else None
+        if vision is None:
+            return config
+        if not isinstance(vision, dict):
+            raise ConfigError("config.json: vision_config must be an object")
+        ids = {k: int(data[k]) for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id") if k in data}
+        return replace(config, vision_config=dict(vision), **ids)
 
     @classmethod
     def from_file(cls, path: str) -> "ModelConfig":
@@ -239,7 +253,8 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         kw: dict[str, Any] = {}
         for key, value in text.items():
-            if key in known and key not in ("layer_types", "ple_layer_ids", "raw", "eos_token_ids", "quantization"):
+            if key in known and key not in ("layer_types", "ple_layer_ids", "raw", "eos_token_ids", "quantization",
+                                                "mrope_section", "vision_config"):
                 kw[key] = value
         hidden = int(text.get("hidden_size", cls.hidden_size))
         heads = int(text.get("num_attention_heads", cls.num_attention_heads))
@@ -257,6 +272,10 @@ class ModelConfig:
         if theta is None:
             theta = cls.rope_theta
         kw["rope_theta"] = float(theta)
+        section = rope.get("mrope_section") or cls.mrope_section
+        if len(section) != 3:
+            raise ConfigError(f"config.json: rope_parameters.mrope_section must have 3 entries, got {section}")
+        kw["mrope_section"] = tuple(int(x) for x in section)
         kw["partial_rotary_factor"] = float(
             rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)) or 1.0
         )

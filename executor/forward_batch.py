@@ -13,12 +13,14 @@ ranges: ``rows [0, num_decode_rows)`` and ``rows [num_decode_rows, T)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .images import RequestImages
 from .memory import KVPool, StatePool
 from .upload import Ref, Upload
 
@@ -41,6 +43,7 @@ class Segment:
     row0: int
     pages: list[int] = field(default_factory=list)
     exports: list[tuple[int, int]] = field(default_factory=list)
+    images: RequestImages | None = None  # the request's images (3-D positions, vision features)
 
     @property
     def fresh(self) -> bool:
@@ -119,6 +122,8 @@ class QSABlocks:
     # Per segment, the KV row holding block b's key (clamped past the segment's blocks).
     key_rows: torch.Tensor  # long [N, max_blocks]
     max_blocks: int
+    # With images in the batch: the 3-D rotary positions of those first positions (``[3, Mb]``).
+    new_pos3: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,11 @@ class ForwardBatch:
     # Rotary cos and sin of ``positions`` in the model's dtype, set by the model's forward for all its
     # attention layers (a layer run on its own computes them).
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With images in the batch: every row's (frame, row, column) rotary positions ``[3, T]``, the rows
+    # that take vision features instead of token embeddings, and those features.
+    rope_positions: torch.Tensor | None = None
+    vision_rows: torch.Tensor | None = None
+    vision_embeds: torch.Tensor | None = None
     # Every row is a decode of a generated token (no prompt row, however short its chunk): such a forward
     # may run the MoE's decode kernels, which round differently from the path every prompt row takes.
     decode_only: bool = False
@@ -267,6 +277,7 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     ex_i = up.add(np.array(exports, dtype=np.int64).reshape(-1, 3))
     waves = _waves(up, segments[num_decodes:])
     qsa_i = _qsa_host(up, segments, qsa_ratio) if kv is not None and qsa_ratio else None
+    mm = _images_host(up, segments, qsa_ratio if qsa_i is not None else 0)
     views = up.send(device)
 
     all_group, decode, prefill = (RowGroup(**_resolved(g, views)) for g in groups)
@@ -289,6 +300,12 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     qsa = None
     if qsa_i is not None:
         qsa = _qsa_blocks(views[qsa_i[0]], qsa_i[1], all_group.page_table, page_size, qsa_ratio)
+    vision = {}
+    if mm is not None:
+        rope_i, rows_i, blocks_i, embeds = mm
+        vision = dict(rope_positions=views[rope_i].view(3, -1), vision_rows=views[rows_i], vision_embeds=embeds)
+        if qsa is not None:
+            qsa = dataclasses.replace(qsa, new_pos3=views[blocks_i].view(3, -1))
     ex = views[ex_i]
     return ForwardBatch(
         input_ids=views[ids_i],
@@ -299,5 +316,36 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
         ngram_context=ngram_context,
         export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
         waves=[Wave(**_resolved(w, views)) for w in waves],
-        qsa=qsa, decode_only=decode_only, ple_rows=ple_rows or {},
+        qsa=qsa, decode_only=decode_only, ple_rows=ple_rows or {}, **vision,
     )
+
+
+def _images_host(up: Upload, segments: list[Segment], ratio: int):
+    """With a segment that has images: ``(3-D positions [3 * T], vision rows, QSA block start 3-D
+    positions [3 * Mb], vision features)`` (the first three in ``up``); else None."""
+    if not any(s.images is not None for s in segments):
+        return None
+
+    def positions(seg: Segment, start: int, n: int) -> np.ndarray:
+        if seg.images is None:
+            return np.broadcast_to(np.arange(start, start + n, dtype=np.int64), (3, n))
+        return seg.images.positions(start, n)
+
+    rope, rows, embeds = [], [], []
+    blocks = []
+    for seg in segments:
+        rope.append(positions(seg, seg.start, seg.length))
+        if seg.images is not None:
+            offsets, feature_rows = seg.images.rows(seg.start, seg.length)
+            if len(offsets):
+                rows.append(seg.row0 + offsets)
+                embeds.append(seg.images.features[feature_rows])
+        if ratio:
+            for block in range(seg.start // ratio, seg.end // ratio):
+                blocks.append(positions(seg, block * ratio, 1))
+    rope_i = up.add(np.ascontiguousarray(np.concatenate(rope, axis=1)).reshape(-1))
+    rows_i = up.add(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
+    block_pos = np.concatenate(blocks, axis=1) if blocks else np.zeros((3, 0), dtype=np.int64)
+    blocks_i = up.add(np.ascontiguousarray(block_pos).reshape(-1))
+    vision = torch.cat(embeds) if embeds else None
+    return rope_i, rows_i, blocks_i, vision

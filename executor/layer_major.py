@@ -38,7 +38,7 @@ class LayerMajorPrefill:
         self.boundary_exports: list[list[int]] = []
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             part = Segment(slot=seg.slot, start=seg.start + lo, length=hi - lo, row0=0, pages=seg.pages,
-                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi])
+                           exports=[(off - lo, dst) for off, dst in seg.exports if lo < off < hi], images=seg.images)
             rows_ahead = {i: functools.partial(rows.send, lo, hi) for i, rows in self.ahead.items()}
             self.chunks.append(build_forward_batch(
                 [part], ids[lo:hi], runner.kv, runner.states, runner.config.ngram_eos_id, runner.device,
@@ -49,7 +49,7 @@ class LayerMajorPrefill:
             store.start()
         model = runner.model.model
         self.layers = model.layers
-        self.streams = [model.embed(fb.input_ids) for fb in self.chunks]
+        self.streams = [model.embed(fb) for fb in self.chunks]
         self.pending: list = [None] * len(self.chunks)
         self.moe_in: list = []
         self.step = 0  # of 2 * len(chunks) per layer: before-MoE of chunk k, then MoE of chunk k

@@ -20,7 +20,7 @@ from .layers.moe import RoutedExperts
 from .models import Qwen4ExpForCausalLM
 from .progress import progress
 from .quant import QuantTensor, quantize_experts, stacked_block_rows
-from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_table_chunks, random_tensor
+from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_table_chunks, random_tensor, vision_name
 
 logger = logging.getLogger(__name__)
 
@@ -253,12 +253,16 @@ class _Reader:
         self.files = _safetensor_files(path)
         self.index: dict[str, tuple[str, str]] = {}
         self.skipped: list[str] = []
+        self.vision: dict[str, tuple[str, str]] = {}  # the vision tower's tensors, by name inside it
         self._open: dict[str, object] = {}
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     name = canonical_name(key)
-                    if name is None:
+                    inner = vision_name(key)
+                    if inner is not None:
+                        self.vision[inner] = (file, key)
+                    elif name is None:
                         self.skipped.append(key)
                     else:
                         self.index[name] = (file, key)
@@ -479,6 +483,20 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
         reader.close()
 
 
+def _load_vision(tower, reader: _Reader) -> None:
+    tensors = {}
+    for name, (file, key) in reader.vision.items():
+        tensor = reader._handle(file).get_tensor(key)
+        if tensor.dtype in QUANT_DTYPES:
+            raise CheckpointError(f"tensor {key} of the vision tower is quantized ({tensor.dtype}); tidal reads the "
+                                  "vision tower in bf16, fp16 or fp32")
+        tensors[name] = tensor
+    try:
+        tower.load(tensors)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
 def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: dict, modules: dict,
           skip_ple_tables: bool) -> None:
     filled: set[str] = set()
@@ -495,8 +513,13 @@ def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: di
             )
 
     if reader.skipped:
-        logger.info("not served: %d tensors of the checkpoint's vision tower or multi-token prediction head "
-                    "(%s ...)", len(reader.skipped), reader.skipped[0])
+        logger.info("not served: %d tensors of the checkpoint's multi-token prediction head (%s ...)",
+                    len(reader.skipped), reader.skipped[0])
+    if model.visual is not None:
+        _load_vision(model.visual, reader)
+        filled.update(f"visual.{n}" for n, _ in model.visual.named_parameters())
+    elif reader.vision:
+        logger.info("not served: %d tensors of a vision tower config.json does not describe", len(reader.vision))
     quant_bases = {n for n, m in modules.items() if isinstance(m, RoutedExperts) and m.fmt is not None}
     for base in sorted(quant_bases):
         used |= _load_quant_experts(modules[base], base, reader, config)

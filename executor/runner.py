@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -11,12 +12,13 @@ import torch
 
 from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
-from ..messages import Batch, SamplingParams, SegmentSpec, TokenLogprob
+from ..messages import Batch, ImageInput, SamplingParams, SegmentSpec, TokenLogprob
 from ..runtime.faults import SCRIPTED, scripted_output
 from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch
+from .images import RequestImages
 from .layer_major import LayerMajorPrefill
 from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
@@ -33,6 +35,10 @@ GREEDY = SamplingParams()
 # row reads from a multi-GB table are bound by memory latency, which more threads hide.
 PLE_WORKERS = 4
 logger = logging.getLogger(__name__)
+
+
+# Images whose vision features the executor keeps (the most recently used).
+VISION_CACHE = 8
 
 
 def is_decode(spec: SegmentSpec) -> bool:
@@ -85,6 +91,8 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
         self.unfinished: dict[int, Launched] = {}  # slot -> the launched batch that samples it, not yet finished
         self.graphs: DecodeGraphs | None = None
+        self.images: dict[int, RequestImages] = {}  # slot -> its request's images
+        self.vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image digest -> features, LRU
         self.compiles: CompileCounter | None = None  # the serving executor's (warm.py)
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
         self.layer_major: LayerMajorPrefill | None = None  # the layer-major prefill under way, over turns
@@ -199,6 +207,10 @@ class ModelRunner:
         pools: no chains), and the tokens of decodes scheduled ahead."""
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         for spec in batch.segments:
+            if spec.images:
+                self.images[spec.slot] = self._encode(spec.images)
+            elif spec.page_base == 0 and spec.pages:  # a request's first segment: the slot's images are gone
+                self.images.pop(spec.slot, None)
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
                 if len(spec.token_ids) != 1:
                     raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
@@ -298,7 +310,32 @@ class ModelRunner:
         """Decode graphs serve batches of generated-token decodes only (a one-token prompt chunk runs
         eagerly, so that every prompt row computes alike: see ``ForwardBatch.decode_only``)."""
         return (self.graphs is not None and batch.mode != "layer_major"
-                and all(is_decode(s) and not s.want_logits and not s.prompt_targets for s in batch.segments))
+                and all(is_decode(s) and not s.want_logits and not s.prompt_targets and s.slot not in self.images
+                        for s in batch.segments))
+
+    def _encode(self, images: list[ImageInput]) -> RequestImages:
+        """The vision features of a request's images (those encoded for a request before, such as the
+        other choices of an ``n > 1`` request, from the cache), in one tower forward for the rest."""
+        if self.model.visual is None:
+            raise ValueError("this checkpoint has no vision tower: its requests cannot hold images")
+        tower = self.model.visual
+        todo = [im for im in images if im.digest not in self.vision_cache]
+        if todo:
+            pixels = torch.cat([torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(
+                -1, tower.cfg.patch_dim) for im in todo]).to(self.device)
+            with torch.inference_mode():
+                features = tower(pixels, [tuple(im.grid) for im in todo])
+            at = 0
+            for im in todo:
+                n = tower.tokens(tuple(im.grid))
+                self.vision_cache[im.digest] = features[at:at + n]
+                at += n
+                while len(self.vision_cache) > VISION_CACHE:
+                    self.vision_cache.popitem(last=False)
+        for im in images:
+            self.vision_cache.move_to_end(im.digest)
+        features = torch.cat([self.vision_cache[im.digest] for im in images])
+        return RequestImages(images, features, tower.cfg.spatial_merge_size)
 
     def _execute_graph(self, specs: list[SegmentSpec]) -> Launched | None:
         """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly). With plain
@@ -420,7 +457,8 @@ class ModelRunner:
                 raise ValueError(f"segment of request {spec.rid} has no tokens")
             ids.extend(spec.token_ids)
             segments.append(Segment(slot=spec.slot, start=spec.start, length=n, row0=row, pages=self._table(spec),
-                                    exports=[(int(o), int(d)) for o, d in spec.exports]))
+                                    exports=[(int(o), int(d)) for o, d in spec.exports],
+                                    images=self.images.get(spec.slot)))
             row += n
         if self.graphs is not None:  # the device tables follow every batch, not only graph steps
             self.graphs.flush_pages()

@@ -19,6 +19,15 @@ EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj
 PLE_SHARD_KEY = re.compile(r"^(model\.layers\.\d+\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
 # Parts of a composite (vision-language) or multi-token-prediction checkpoint that a text server ignores.
 IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def vision_name(key: str) -> str | None:
+    """A vision-tower tensor's name inside the tower (``None``: not the tower's)."""
+    for prefix in VISION_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return None
 
 
 def canonical_name(key: str) -> str | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..messages import AbortReason, GenerateReq, SamplingParams
+from ..messages import AbortReason, GenerateReq, ImageInput, SamplingParams
 
 # The fields that describe one admission, reset when a preempted request goes back to waiting.
 ADMISSION = ("slot", "pages", "pages_sent", "page_keys", "history_sent", "chunks", "next_chunk", "num_computed",
@@ -53,6 +53,8 @@ class Request:
     lm_turn: int = 0
     lm_turns: int = 1
     page_keys: list[bytes] = field(default_factory=list)  # chain hashes of the pages indexed so far
+    images: list[ImageInput] = field(default_factory=list)  # in prompt order
+    _key_prompt: list[int] | None = field(default=None, repr=False)  # the prompt as the prefix cache keys it
     rolling_slot: int | None = None  # end-of-request checkpoint, rewritten at each aligned position
     rolling_pos: int | None = None
     checkpoints_written: list[int] = field(default_factory=list)
@@ -85,7 +87,25 @@ class Request:
             sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(stops))
         return cls(rid=msg.rid, prompt=list(msg.prompt_ids), max_tokens=msg.max_tokens, sampling=sampling,
                    stop_token_ids=frozenset(stops), prefill_len=len(msg.prompt_ids),
-                   after=msg.after, prompt_logprobs=msg.prompt_logprobs)
+                   after=msg.after, prompt_logprobs=msg.prompt_logprobs, images=list(msg.images))
+
+    def key_tokens(self, start: int, end: int) -> list[int]:
+        """What the prefix cache hashes for positions ``[start, end)``: the token ids, each image's
+        placeholder ids replaced by negative ids drawn from its content digest (the same image and text
+        hit, another image does not)."""
+        if not self.images:
+            return self.tokens(start, end)
+        if self._key_prompt is None:
+            keyed = list(self.prompt)
+            for image in self.images:
+                seed = int(image.digest[:15], 16)
+                for k in range(image.tokens):
+                    keyed[image.offset + k] = -1 - (seed + k) % (1 << 62)
+            self._key_prompt = keyed
+        p = self.prompt_len
+        head = self._key_prompt[start:min(end, p)] if start < p else []
+        tail = self.output[max(start - p, 0):end - p] if end > p else []
+        return head + tail
 
     @property
     def prompt_len(self) -> int:

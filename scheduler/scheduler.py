@@ -80,6 +80,7 @@ class Scheduler:
         req.want_logits = want_logits
         try:
             self.check_admissible(len(req.prompt), req.max_tokens, req.full_prompt)
+            self.check_images(req)
         except AdmissionError as e:
             self._fail(req.rid, str(e), len(req.prompt))
             return
@@ -103,6 +104,22 @@ class Scheduler:
                 f"the request needs {needed} KV pages but the pool holds {self.pages.total} "
                 f"(--kv-pool-tokens)"
             )
+
+    def check_images(self, req: Request) -> None:
+        """Each image's placeholder run lies inside the prompt, in order, and holds only image token ids."""
+        if not req.images:
+            return
+        if self.config.vision_config is None:
+            raise AdmissionError("this model has no vision tower: a request cannot hold images")
+        image_id, end = self.config.image_token_id, 0
+        for i, image in enumerate(req.images):
+            if image.offset < end or image.tokens < 1 or image.offset + image.tokens > req.prompt_len:
+                raise AdmissionError(f"image {i}: its {image.tokens} vision tokens at prompt position {image.offset} "
+                                     f"do not fit the prompt ({req.prompt_len} tokens) after the image before it")
+            if any(t != image_id for t in req.prompt[image.offset:image.offset + image.tokens]):
+                raise AdmissionError(f"image {i}: prompt positions [{image.offset}, {image.offset + image.tokens}) "
+                                     f"must all be the image token id {image_id}")
+            end = image.offset + image.tokens
 
     def abort(self, rid: str, reason: str = "abort") -> None:
         """Idempotent: unknown or finished ids are ignored; in-flight rows finish on their result."""
@@ -284,7 +301,9 @@ class Scheduler:
     @staticmethod
     def _with_history(req: Request, seg: SegmentSpec) -> SegmentSpec:
         """The first sampling segment since (re)admission of a request with penalties or a grammar
-        carries its token history."""
+        carries its token history; the first segment since (re)admission, its images."""
+        if req.images and seg.page_base == 0 and seg.pages:
+            seg.images = req.images
         if seg.sample and req.sampling.needs_history and not req.history_sent:
             prompt = req.prompt if req.sampling.repetition_penalty != 1 else []
             seg.history, seg.history_prompt = prompt + req.output, len(prompt)
@@ -429,7 +448,7 @@ class Scheduler:
         ps = self.sizes.page_size
         indexed = len(req.page_keys)
         if end // ps > indexed:
-            self.cache.insert_pages(req.pages, req.page_keys, req.tokens(indexed * ps, end // ps * ps))
+            self.cache.insert_pages(req.pages, req.page_keys, req.key_tokens(indexed * ps, end // ps * ps))
         for offset, slot in seg.exports:
             pos = seg.start + offset
             if slot == req.rolling_slot:
@@ -484,6 +503,8 @@ class Scheduler:
             req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
                                                         len(self.running) + len(self.waiting), req.full_prompt,
                                                         busy)
+            if req.images and req.layer_major:
+                req.layer_major, why = False, "chunked: images (layer-major prefills are text only)"
             plan = self._plan(req)
             self.running[req.rid] = req
             if req.admitted:  # resumed after a preemption: admitted (and reported) once already
@@ -507,7 +528,7 @@ class Scheduler:
                 return False
             req.pages = pages
             return True
-        tokens = req.tokens(0, req.prefill_len)
+        tokens = req.key_tokens(0, req.prefill_len)
         if req.match_keys is None:
             req.match_keys = self.cache.prefix_keys(tokens)
         match = self.cache.match(tokens, req.match_keys)

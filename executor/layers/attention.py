@@ -49,7 +49,7 @@ class QSAIndexer(nn.Module):
         qsa, kv = batch.qsa, batch.kv
         if not qsa.new_pos.numel():
             return
-        if use_triton(qsa.new_rows, "norm_rotary") and self.k_layernorm.group_size is None:
+        if use_triton(qsa.new_rows, "norm_rotary") and self.k_layernorm.group_size is None and qsa.new_pos3 is None:
             from ...kernels.attention_rows_triton import qsa_block_keys
 
             qsa_block_keys(kv.flat(kv.index_k, layer), qsa.new_rows, qsa.new_pos, self.k_layernorm.weight,
@@ -58,7 +58,7 @@ class QSAIndexer(nn.Module):
             return
         raw = kv.flat(kv.index_k, layer)[qsa.new_rows]  # [Mb, ratio, d]
         pooled = raw.float().mean(dim=1).to(raw.dtype)
-        cos, sin = rotary.cos_sin(qsa.new_pos, pooled.dtype)
+        cos, sin = rotary.cos_sin(qsa.new_pos3 if qsa.new_pos3 is not None else qsa.new_pos, pooled.dtype)
         kv.flat(kv.index_block_k, layer)[qsa.new_rows[:, -1]] = Rotary.norm_apply(
             self.k_layernorm, pooled[:, None], cos, sin)[:, 0]
 
@@ -124,7 +124,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         kv, layer = batch.kv, self.layer_idx
-        cos, sin = batch.rope if batch.rope is not None else self.rotary.cos_sin(batch.positions, x.dtype)
+        if batch.rope is not None:
+            cos, sin = batch.rope
+        else:
+            cos, sin = self.rotary.cos_sin(
+                batch.rope_positions if batch.rope_positions is not None else batch.positions, x.dtype)
         index_qk = None
         if use_triton(x, "stacked") and self.q_proj.bias is None:  # q (with its gate), k, v and the index q/k: one GEMM
             q_gate, k, v, *rest = self._in_proj.split(linear(x, self._in_proj.get()))

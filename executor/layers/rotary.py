@@ -1,7 +1,10 @@
-"""Rotary position embedding over the first ``rotary_dim`` features (text positions).
+"""Rotary position embedding over the first ``rotary_dim`` features.
 
-Qwen4-Exp's multimodal rotary interleaves (t, h, w) frequency sections; for text every section
-carries the same position, so it reduces to ordinary partial rotary.
+Qwen4-Exp's multimodal rotary gives each token three positions (frame, row, column) and interleaves
+their frequencies: frequency ``j`` turns with the row position for ``j = 1, 4, 7, ...`` below
+``3 * section[1]``, with the column position for ``j = 2, 5, 8, ...`` below ``3 * section[2]``, and with
+the frame position otherwise. Text tokens carry the same position on all three, so for them it is
+ordinary partial rotary; only vision tokens and the text after them need the three.
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    def __init__(self, rotary_dim: int, theta: float):
+    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int] = (11, 11, 10)):
         super().__init__()
         self.rotary_dim = rotary_dim
+        axis = torch.zeros(rotary_dim // 2, dtype=torch.long, device="cpu")
+        axis[1:3 * mrope_section[1]:3] = 1
+        axis[2:3 * mrope_section[2]:3] = 2
+        self._axis = axis  # the position (0 frame, 1 row, 2 column) each frequency turns with
         # Kept in fp32 outside the parameter/buffer set so that a dtype cast never touches it.
         self._inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu")
                                           / rotary_dim))
@@ -35,8 +42,14 @@ class Rotary(nn.Module):
         return inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, rotary_dim]`` cos and sin for integer ``positions [T]``."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq(positions.device)
+        """``[T, rotary_dim]`` cos and sin for integer ``positions [T]``, or ``[3, T]`` (frame, row,
+        column)."""
+        inv_freq = self.inv_freq(positions.device)
+        if positions.dim() == 2:
+            picked = positions[self._axis.to(positions.device)].T  # [T, rotary_dim / 2]
+            freqs = picked.float() * inv_freq
+        else:
+            freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -22,6 +22,7 @@ from ..layers.linear import Linear
 from ..layers.moe import SparseMoE
 from ..layers.ple import PLELayer
 from ..layers.rotary import Rotary
+from .vision import VisionConfig, VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -105,14 +106,17 @@ class Qwen4ExpModel(nn.Module):
         # (seconds), and every weight is loaded or filled afterwards anyway.
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _freeze=True,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size))
-        self.rotary = Rotary(c.rotary_dim, c.rope_theta)
+        self.rotary = Rotary(c.rotary_dim, c.rope_theta, c.mrope_section)
         self.layers = nn.ModuleList([DecoderLayer(c, i, self.rotary) for i in range(c.num_hidden_layers)])
         self.hyper_connection_mixer = GatedResidual(c.hc_count, c.hidden_size, c.hc_lowrank, c.rms_norm_eps,
                                                     use_combine=False)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings repeated into the ``hc_count`` streams ``[T, hc * hidden]``."""
-        emb = self.embed_tokens(input_ids)
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The embeddings (vision features at the rows of vision tokens) repeated into the ``hc_count``
+        streams ``[T, hc * hidden]``."""
+        emb = self.embed_tokens(batch.input_ids)
+        if batch.vision_rows is not None and batch.vision_embeds is not None:
+            emb = emb.index_copy(0, batch.vision_rows, batch.vision_embeds.to(emb.dtype))
         return torch.cat([emb] * self.config.hc_count, dim=-1)  # a contiguous copy kernel (repeat's is strided)
 
     def forward(self, batch: ForwardBatch,
@@ -125,9 +129,10 @@ class Qwen4ExpModel(nn.Module):
         hyper-connection work (the scheduler only asks when ``T`` divides); the final rows are
         gathered back in token order.
         """
-        streams = self.embed(batch.input_ids)
+        streams = self.embed(batch)
         if self.config.attention_layers and batch.rope is None:  # a decode graph's prologue sets it
-            batch = dataclasses.replace(batch, rope=self.rotary.cos_sin(batch.positions, streams.dtype))
+            positions = batch.rope_positions if batch.rope_positions is not None else batch.positions
+            batch = dataclasses.replace(batch, rope=self.rotary.cos_sin(positions, streams.dtype))
         pending = None
         own = None
         group = tp()
@@ -149,6 +154,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.config = config
         self.model = Qwen4ExpModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.visual = VisionTower(VisionConfig(config.vision_config)) if config.vision_config is not None else None
 
     def forward(self, batch: ForwardBatch,
                 hc_shard: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:

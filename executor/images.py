@@ -1,0 +1,54 @@
+"""A request's images on the executor: their vision features and the 3-D rotary positions they give
+every position of the request (``models/vision.py`` defines both as transformers does)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..messages import ImageInput
+
+
+class RequestImages:
+    """The images of one request, encoded (``features``: every vision token's embedding, in prompt
+    order). Text positions count on from the position before them; an image's tokens sit at its start
+    plus (frame, row, column) in merged tokens, and the text after it goes on ``max(rows, columns)``
+    past its start."""
+
+    def __init__(self, images: list[ImageInput], features: torch.Tensor, merge: int):
+        self.spans = []  # (offset, tokens, t, rows, columns)
+        for image in images:
+            t, h, w = image.grid
+            gh, gw = h // merge, w // merge
+            if image.tokens != t * gh * gw:
+                raise ValueError(f"an image of grid {image.grid} has {t * gh * gw} vision tokens, not {image.tokens}")
+            self.spans.append((image.offset, t * gh * gw, t, gh, gw))
+        self.index = np.concatenate([np.arange(o, o + n) for o, n, *_ in self.spans]) if self.spans else \
+            np.zeros(0, dtype=np.int64)
+        if features.shape[0] != len(self.index):
+            raise ValueError(f"{features.shape[0]} vision features for {len(self.index)} image tokens")
+        self.features = features
+        self.delta = sum(max(gh, gw) - n for _, n, _, gh, gw in self.spans)
+
+    def positions(self, start: int, n: int) -> np.ndarray:
+        """``[3, n]`` (frame, row, column) positions of sequence positions ``[start, start + n)``."""
+        seq = np.arange(start, start + n, dtype=np.int64)
+        out = np.broadcast_to(seq, (3, n)).copy()
+        shift = 0  # what the images before a position add to it
+        for offset, tokens, _, gh, gw in self.spans:
+            inside = (seq >= offset) & (seq < offset + tokens)
+            if inside.any():
+                k = seq[inside] - offset
+                base = offset + shift
+                out[0, inside] = base + k // (gh * gw)
+                out[1, inside] = base + (k // gw) % gh
+                out[2, inside] = base + k % gw
+            shift += max(gh, gw) - tokens
+            out[:, seq >= offset + tokens] += max(gh, gw) - tokens
+        return out
+
+    def rows(self, start: int, n: int) -> tuple[np.ndarray, slice]:
+        """The vision tokens among positions ``[start, start + n)``: their offsets in that range, and
+        their rows of ``features``."""
+        lo, hi = np.searchsorted(self.index, [start, start + n])
+        return self.index[lo:hi] - start, slice(int(lo), int(hi))

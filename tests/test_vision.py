@@ -1,0 +1,138 @@
+"""Images in prompts: the vision tower, 3-D rotary positions and vision features through the scheduler,
+against transformers' ``Qwen4ExpForConditionalGeneration`` on checkpoints it writes (two configs: other
+patch and merge sizes, one and three images, images first and between text)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal import LLM
+from tidal.vision import image_input
+
+from .conftest import HF_CONFIGS
+
+IMAGE = 97  # the placeholder id (inside the small vocabularies)
+CONFIGS = {
+    "patch16_merge2": (HF_CONFIGS["hf_hc2_gqa4"], dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                                       num_position_embeddings=16)),
+    "patch8_merge1": (HF_CONFIGS["hf_hc3_ngram4"], dict(depth=1, hidden_size=48, intermediate_size=64, num_heads=4,
+                                                        patch_size=8, spatial_merge_size=1, temporal_patch_size=1,
+                                                        num_position_embeddings=36, hidden_act="gelu")),
+}
+
+
+def build(path: str, name: str, seed: int) -> str:
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    text, vision = CONFIGS[name]
+    vision = dict(vision, out_hidden_size=text["hidden_size"])
+    torch.manual_seed(seed)
+    config = Qwen4ExpConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, vision_start_token_id=95,
+                            vision_end_token_id=96)
+    model = Qwen4ExpForConditionalGeneration(config)
+    with torch.no_grad():  # transformers' init zeroes norm offsets and convs: draw everything
+        for pname, param in model.named_parameters():
+            param.normal_(0, 0.5 if "visual" in pname else 0.08)
+            if pname.endswith(("norm.weight", "norm1.weight", "norm2.weight")) and "visual" in pname:
+                param.add_(1.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def composite(request, tmp_path_factory):
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    path = build(str(tmp_path_factory.mktemp(request.param)), request.param, seed=len(request.param))
+    hf = Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, path, hf
+
+
+def images_and_prompt(hf, grids: list[tuple[int, int, int]], texts: list[list[int]], seed: int):
+    """A prompt of ``texts[0]``, image 0, ``texts[1]``, image 1, ... and the images' inputs."""
+    vc = hf.config.vision_config
+    merge, dim = vc.spatial_merge_size, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    gen = torch.Generator().manual_seed(seed)
+    prompt, images, pixels = [], [], []
+    for i, grid in enumerate(grids):
+        prompt += texts[i] + [95]
+        px = torch.randn(grid[0] * grid[1] * grid[2], dim, generator=gen)
+        images.append(image_input(px, grid, len(prompt), merge))
+        pixels.append(px)
+        prompt += [IMAGE] * images[-1].tokens + [96]
+    prompt += texts[len(grids)]
+    return prompt, images, torch.cat(pixels), torch.tensor(grids)
+
+
+def hf_forward(hf, prompt, pixels, grids):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        return hf(input_ids=ids, pixel_values=pixels, image_grid_thw=grids,
+                  mm_token_type_ids=(ids == IMAGE).int()).logits[0]
+
+
+def hf_greedy(hf, prompt, pixels, grids, n: int) -> list[int]:
+    """Greedy ids by full forwards (positions recomputed from the whole sequence each step)."""
+    out = []
+    seq = list(prompt)
+    for _ in range(n):
+        tok = int(hf_forward(hf, seq, pixels, grids)[-1].argmax())
+        out.append(tok)
+        seq.append(tok)
+    return out
+
+
+CASES = {
+    "one image between text": ([(1, 4, 6)], [[5, 6, 7], [8, 9, 10, 11]]),
+    "image first, three images": ([(1, 4, 4), (1, 2, 6), (1, 6, 2)], [[], [12, 13], [14], [15, 16, 17]]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(composite, case):
+    name, path, hf = composite
+    grids, texts = CASES[case]
+    prompt, images, pixels, grid_t = images_and_prompt(hf, grids, texts, seed=3)
+    want = hf_forward(hf, prompt, pixels, grid_t)
+    llm = LLM(path, dtype="float32")
+    got = llm.score(prompt, images=images)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+
+
+def test_greedy_ids_cold_chunked_cached_and_another_image(composite):
+    name, path, hf = composite
+    grids, texts = CASES["image first, three images"]
+    prompt, images, pixels, grid_t = images_and_prompt(hf, grids, texts, seed=5)
+    want = hf_greedy(hf, prompt, pixels, grid_t, 8)
+    cold = LLM(path, dtype="float32")
+    assert cold.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
+    chunked = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
+    assert chunked.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
+    # The same images again: a prefix-cache hit inside the prompt, ids unchanged.
+    before = chunked.scheduler.counters.get("cached_tokens", 0)
+    assert chunked.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
+    assert chunked.scheduler.counters["cached_tokens"] > before
+    # Another image at the same places: no hit past the first image's start, transformers' ids.
+    other, other_images, other_pixels, _ = images_and_prompt(hf, grids, texts, seed=6)
+    assert other == prompt
+    hit = chunked.scheduler.counters["cached_tokens"]
+    assert chunked.generate([other], max_tokens=8, ignore_eos=True, images=[other_images])[0] == hf_greedy(
+        hf, other, other_pixels, grid_t, 8)
+    assert chunked.scheduler.counters["cached_tokens"] - hit <= images[0].offset
+    stats = chunked.scheduler.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+def test_bad_image_runs_are_refused(composite):
+    name, path, hf = composite
+    prompt, images, _, _ = images_and_prompt(hf, [(1, 4, 4)], [[5], [6]], seed=1)
+    llm = LLM(path, dtype="float32")
+    from tidal.llm import GenerationError
+    from tidal.messages import ImageInput
+
+    moved = ImageInput(offset=images[0].offset - 1, tokens=images[0].tokens, grid=images[0].grid,
+                       pixels=images[0].pixels, digest=images[0].digest)
+    with pytest.raises(GenerationError, match="image 0: prompt positions"):
+        llm.generate([prompt], max_tokens=2, images=[[moved]])
+    assert llm.generate([prompt], max_tokens=2, images=[images])  # the server goes on
