@@ -515,9 +515,12 @@ def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: di
     if reader.skipped:
         logger.info("not served: %d tensors of the checkpoint's multi-token prediction head (%s ...)",
                     len(reader.skipped), reader.skipped[0])
+    if model.visual is not None and not reader.vision:
+        logger.warning("config.json describes a vision tower but the checkpoint holds none of its tensors: "
+                       "serving text only")
+        model.visual = None
     if model.visual is not None:
         _load_vision(model.visual, reader)
-        filled.update(f"visual.{n}" for n, _ in model.visual.named_parameters())
     elif reader.vision:
         logger.info("not served: %d tensors of a vision tower config.json does not describe", len(reader.vision))
     quant_bases = {n for n, m in modules.items() if isinstance(m, RoutedExperts) and m.fmt is not None}
@@ -640,7 +643,7 @@ def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: di
     if config.tie_word_embeddings and "lm_head.weight" not in filled:
         model.lm_head.weight = model.model.embed_tokens.weight
         filled.add("lm_head.weight")
-    missing = sorted(set(params) - filled)
+    missing = sorted(n for n in set(params) - filled if not n.startswith("visual."))  # the tower checks its own
     if missing:
         raise CheckpointError(f"missing tensors in the checkpoint: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
     scales = sorted(n for n in buffers if n.endswith("ngram_embedding.weight_scale") and n not in filled)

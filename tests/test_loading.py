@@ -65,7 +65,8 @@ def test_ple_shards_must_stack(tiny_checkpoint, tmp_path):
 
 
 def test_fused_experts_mtp_and_vision_keys_load(tiny_checkpoint, tmp_path, device):
-    """Fused 3-D expert tensors, a composite checkpoint's prefixes, MTP and vision weights."""
+    """Fused 3-D expert tensors, a composite checkpoint's prefixes and MTP weights; a vision_config whose
+    tower the checkpoint does not hold serves text, a tower with tensors missing is refused by name."""
     path = _copy(tiny_checkpoint, tmp_path / "ck")
 
     def to_composite(t):
@@ -78,7 +79,6 @@ def test_fused_experts_mtp_and_vision_keys_load(tiny_checkpoint, tmp_path, devic
         for key in [k for k in t if k.startswith("model.")]:
             t["model.language_model." + key[len("model."):]] = t.pop(key)
         t["mtp.layers.0.input_layernorm.weight"] = torch.ones(64)
-        t["model.visual.patch_embed.proj.weight"] = torch.ones(4, 4)
 
     _edit_tensors(path, to_composite)
     with open(os.path.join(path, "config.json")) as f:
@@ -89,6 +89,9 @@ def test_fused_experts_mtp_and_vision_keys_load(tiny_checkpoint, tmp_path, devic
     a = LLM(tiny_checkpoint, device=device).score(prompt)
     b = LLM(path, device=device).score(prompt)
     assert torch.equal(a, b)
+    _edit_tensors(path, lambda t: t.update({"model.visual.patch_embed.proj.weight": torch.ones(4, 4)}))
+    with pytest.raises(CheckpointError, match="vision tower lacks"):
+        LLM(path, device=device)
 
 
 def test_random_load_format_equals_written_checkpoint(tiny_checkpoint, tmp_path, device):
