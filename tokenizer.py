@@ -16,6 +16,8 @@ import re
 import unicodedata
 from functools import lru_cache
 
+from .vision import IMAGE_MARK, IMAGE_TOKENS
+
 logger = logging.getLogger(__name__)
 
 CHATML_TEMPLATE = (
@@ -78,7 +80,7 @@ class Tokenizer:
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            encode_content=None, **kwargs) -> list[int]:
+                            encode_content=None, images: bool = False, **kwargs) -> list[int]:
         """Render ``messages`` with their real content and encode the result.
 
         The template's own special-token strings become control tokens; the same strings typed
@@ -91,6 +93,9 @@ class Tokenizer:
         ``encode_content(message)`` may return the ids to use for a message's content (the server
         passes back the exact ids it generated for an earlier answer, so a follow-up turn matches
         the prefix cache token for token); they are used where that content appears verbatim.
+
+        ``images``: each ``vision.IMAGE_MARK`` in the contents stands for an image part and becomes the
+        vision tokens ``<|vision_start|><|image_pad|><|vision_end|>`` (as template text).
         """
         template = _compile(self.chat_template or CHATML_TEMPLATE)
 
@@ -127,6 +132,11 @@ class Tokenizer:
             return self.encode(piece)
 
         def encode(piece: str) -> list[int]:
+            if images and IMAGE_MARK in piece:
+                ids = []
+                for k, part in enumerate(piece.split(IMAGE_MARK)):
+                    ids += (self.encode_with_special(IMAGE_TOKENS) if k else []) + encode(part)
+                return ids
             ids: list[int] = []
             for part, is_special in _split_specials(piece, self.special_strings()):
                 ids += self.encode_with_special(part) if is_special else plain(part)

@@ -1,13 +1,133 @@
-"""Images in prompts: what a request carries for each image (``ImageInput``) and the prompt's
-placeholder runs."""
+"""Images in prompts: reading an image a request sends, the image processor the checkpoint names
+(``preprocessor_config.json``: resize to multiples of patch x merge within min/max pixels, rescale,
+normalise, patchify, as transformers' ``Qwen2VLImageProcessor`` does), and what a request carries for
+each image (``ImageInput``)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import io
+import json
+import math
+import os
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
 
 import numpy as np
 
 from .messages import ImageInput
+
+# Where an image part sits in rendered chat text, before the template's vision tokens replace it.
+IMAGE_MARK = "\ue0ff"
+IMAGE_TOKENS = "<|vision_start|><|image_pad|><|vision_end|>"
+FORMATS = ("PNG", "JPEG", "WEBP")
+FETCH_TIMEOUT = 10.0  # seconds to fetch an image from an allowed host
+MAX_IMAGE_BYTES = 32 << 20  # the most bytes an image may have, sent or fetched
+
+
+class ImageError(ValueError):
+    """An image a request cannot use; the message says why."""
+
+
+@dataclass(frozen=True)
+class ImageProcessor:
+    """A checkpoint's image processor settings (the defaults are Qwen3-VL's)."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255
+    image_token_id: int = 248056
+    # Request limits.
+    max_images: int = 16
+    max_image_pixels: int = 1 << 26  # width x height of a decoded image
+    allowed_domains: tuple[str, ...] = ()  # hosts whose http(s) image URLs the server fetches
+
+    @classmethod
+    def from_checkpoint(cls, path: str | None, vision_config: dict, image_token_id: int, **limits) -> ImageProcessor:
+        """From ``preprocessor_config.json`` (or ``processor_config.json``'s ``image_processor``) beside the
+        checkpoint; what it leaves out follows the vision tower's config."""
+        raw: dict = {}
+        for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+            file = os.path.join(path, name) if path else ""
+            if file and os.path.exists(file):
+                with open(file) as f:
+                    data = json.load(f)
+                raw = data.get(key, {}) if key else data
+                break
+        size = raw.get("size") or {}
+        kw = dict(
+            patch_size=raw.get("patch_size", vision_config.get("patch_size", cls.patch_size)),
+            temporal_patch_size=raw.get("temporal_patch_size",
+                                        vision_config.get("temporal_patch_size", cls.temporal_patch_size)),
+            merge_size=raw.get("merge_size", vision_config.get("spatial_merge_size", cls.merge_size)),
+            min_pixels=raw.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels,
+            max_pixels=raw.get("max_pixels") or size.get("longest_edge") or cls.max_pixels,
+            image_mean=tuple(raw.get("image_mean", cls.image_mean)),
+            image_std=tuple(raw.get("image_std", cls.image_std)),
+            rescale_factor=raw.get("rescale_factor", cls.rescale_factor),
+        )
+        if vision_config.get("patch_size", kw["patch_size"]) != kw["patch_size"] or \
+                vision_config.get("spatial_merge_size", kw["merge_size"]) != kw["merge_size"]:
+            raise ValueError(f"the image processor's patch {kw['patch_size']} / merge {kw['merge_size']} differ from "
+                             f"the vision tower's {vision_config}")
+        return cls(**kw, image_token_id=image_token_id, **limits)
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+    def target_size(self, height: int, width: int) -> tuple[int, int]:
+        """The size an image is resized to: multiples of patch x merge, its pixels within
+        [min_pixels, max_pixels], its aspect kept as closely as that allows."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > 200:
+            raise ImageError(f"the image's aspect ratio ({width} x {height}) is beyond 200:1")
+        h = round(height / factor) * factor
+        w = round(width / factor) * factor
+        if h * w > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h = math.ceil(height * beta / factor) * factor
+            w = math.ceil(width * beta / factor) * factor
+        return h, w
+
+    def preprocess(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """``(pixel_values [h * w, patch_dim] float32, (1, h, w))`` of a PIL image: RGB (transparency on
+        white), resized bicubically, rescaled, normalised, cut into patches in spatial-merge-block order,
+        each patch repeated over the temporal patch."""
+        from PIL import Image
+
+        if "A" in image.getbands() or image.info.get("transparency") is not None:
+            rgba = image.convert("RGBA")
+            image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+        else:
+            image = image.convert("RGB")
+        h, w = self.target_size(image.height, image.width)
+        array = np.array(image.resize((w, h), resample=Image.Resampling.BICUBIC))  # [h, w, 3] uint8
+        pixels = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        mean = np.array(self.image_mean, dtype=np.float32)
+        std = np.array(self.image_std, dtype=np.float32)
+        pixels = ((pixels - mean) / std).astype(np.float32).transpose(2, 0, 1)  # [3, h, w]
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = h // p, w // p
+        blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
+        blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
+        return np.ascontiguousarray(blocks.reshape(gh * gw, 3 * t * p * p)), (1, gh, gw)
+
+    def tokens(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.merge_size ** 2
 
 
 def image_input(pixel_values, grid: tuple[int, int, int], offset: int, merge: int) -> ImageInput:
@@ -23,3 +143,55 @@ def image_input(pixel_values, grid: tuple[int, int, int], offset: int, merge: in
     data = pixels.tobytes()
     digest = hashlib.sha256(np.array([t, h, w], dtype=np.int64).tobytes() + data).hexdigest()
     return ImageInput(offset=offset, tokens=t * h * w // merge ** 2, grid=[t, h, w], pixels=data, digest=digest)
+
+
+def read_image_url(url: str, processor: ImageProcessor):
+    """The PIL image an ``image_url.url`` names: a ``data:`` URL (base64 PNG, JPEG or WebP), or an
+    ``http(s)`` URL on an allowed host (fetched within the time and size limits)."""
+    if not isinstance(url, str) or not url:
+        raise ImageError("must be a data: URL or an http(s) URL")
+    if url.startswith("data:"):
+        head, sep, payload = url[5:].partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ImageError("a data: URL must be base64 (data:image/png;base64,...)")
+        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise ImageError(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("the data: URL is not valid base64") from None
+        return decode_image(data, processor)
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https"):
+        raise ImageError(f"the URL scheme {parsed.scheme!r} is not supported (data:, http or https)")
+    host = (parsed.hostname or "").lower()
+    if host not in processor.allowed_domains:
+        raise ImageError(f"the server does not fetch images from {host!r} (allowed: "
+                         f"{', '.join(processor.allowed_domains) or 'none; see --allowed-media-domains'})")
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
+            data = response.read(MAX_IMAGE_BYTES + 1)
+    except Exception as e:  # every fetch failure is the request's: name it
+        raise ImageError(f"fetching {url} failed: {e}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"the image at {url} is larger than {MAX_IMAGE_BYTES} bytes")
+    return decode_image(data, processor)
+
+
+def decode_image(data: bytes, processor: ImageProcessor):
+    from PIL import Image
+
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageError(f"the image is larger than {MAX_IMAGE_BYTES} bytes")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Exception:  # Pillow raises several types for data it cannot read
+        raise ImageError(f"the image could not be read (supported: {', '.join(FORMATS)})") from None
+    if image.width * image.height > processor.max_image_pixels:
+        raise ImageError(f"the image has {image.width} x {image.height} pixels, more than the "
+                         f"{processor.max_image_pixels} allowed (--max-image-pixels)")
+    try:
+        image.load()
+    except Exception:
+        raise ImageError("the image is corrupt or truncated") from None
+    return image

@@ -14,6 +14,10 @@ class ArgsError(ValueError):
     """A bad flag value; the message names the flag."""
 
 
+def _domains(value: str) -> tuple[str, ...]:
+    return tuple(h.strip().lower() for h in value.split(",") if h.strip())
+
+
 def cache_dir() -> str:
     """tidal's cache directory: ``$XDG_CACHE_HOME/tidal`` (``~/.cache/tidal``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -44,6 +48,11 @@ class ServerArgs:
     max_queued_requests: int = 1024
     default_max_tokens: int = 4096
     max_request_bytes: int = 64 << 20  # larger HTTP request bodies get 413
+    # Images (a model with a vision tower): hosts whose http(s) image URLs the frontend fetches (none by
+    # default), images per request, pixels of a decoded image.
+    allowed_media_domains: tuple[str, ...] = ()
+    max_images_per_request: int = 16
+    max_image_pixels: int = 1 << 26
     tokenizer_workers: int = 2  # processes that parse, render and tokenize requests for the frontend
     reasoning_parser: str | None = None  # "qwen3": chat answers' text up to </think> -> reasoning_content
     page_size: int = 16
@@ -110,6 +119,9 @@ class ServerArgs:
         need(self.hc_prefill_mode in ("off", "control", "shard"), "hc_prefill_mode",
              f"must be off, control or shard, got {self.hc_prefill_mode!r}")
         need(0 < self.port < 65536, "port", f"must be in [1, 65535], got {self.port}")
+        need(self.max_images_per_request >= 0, "max_images_per_request",
+             f"must be >= 0, got {self.max_images_per_request}")
+        need(self.max_image_pixels >= 1, "max_image_pixels", f"must be >= 1, got {self.max_image_pixels}")
         need(self.max_running_requests >= 1, "max_running_requests",
              f"must be >= 1, got {self.max_running_requests}")
         need(self.default_max_tokens >= 0, "default_max_tokens", f"must be >= 0, got {self.default_max_tokens}")
@@ -261,6 +273,13 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond the running ones; more get 503 with Retry-After")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest HTTP request body in bytes (default 64 MiB); a larger one gets 413")
+    p.add_argument("--allowed-media-domains", type=_domains, default=d.allowed_media_domains, metavar="HOSTS",
+                   help="comma-separated hosts whose http(s) image URLs the frontend fetches for chat requests "
+                        "(default: none; data: URLs always work)")
+    p.add_argument("--max-images-per-request", type=int, default=d.max_images_per_request,
+                   help="the most images one chat request may hold")
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="the most pixels (width x height) of an image a request sends, before resizing")
     p.add_argument("--tokenizer-workers", type=int, default=d.tokenizer_workers,
                    help="processes that parse requests, render chat templates and tokenize prompts, so that a "
                         "long prompt never stalls the frontend's event loop")

@@ -15,6 +15,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..messages import ImageInput
+from ..vision import IMAGE_MARK, ImageError, ImageProcessor, image_input, read_image_url
 from .controls import parse_controls
 from .errors import APIError, bad
 from .logprobs import parse_logprobs
@@ -93,6 +95,8 @@ class Limits:
     max_token_bytes: int = 0
     # Requests the server holds at once (--max-running-requests + --max-queued-requests).
     max_requests: int = 1 << 30
+    # The image processor and image limits of a model with a vision tower (None: text only).
+    images: ImageProcessor | None = None
 
 
 @dataclass
@@ -124,6 +128,8 @@ class ParsedRequest:
     # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").
     parse_tool_calls: bool = False
     parallel_tool_calls: bool = True
+    # Chat: the images of the messages, in prompt order.
+    images: list[ImageInput] = field(default_factory=list)
 
 
 def _is_int(v: Any) -> bool:
@@ -418,22 +424,74 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
                          controls=controls, prompts=prompts, prompt_max_tokens=max_tokens, echo=echo, **params)
 
 
-def _message_text(m: dict, i: int) -> str:
+def _message_text(m: dict, i: int, images: list | None = None, limits: Limits | None = None) -> str:
+    """A message's content as text; each image part becomes ``IMAGE_MARK`` and its ``(param, pixel_values,
+    grid)`` is appended to ``images``."""
     content = m.get("content")
     if content is None:
         return ""
     if isinstance(content, str):
+        _no_image_mark(content, f"messages[{i}].content")
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
+            param = f"messages[{i}].content[{j}]"
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                parts.append(_image_part(part, param, m.get("role"), images, limits))
+                continue
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}].content[{j}]", f"'messages[{i}].content[{j}]' must be a text part "
-                                                         '({"type": "text", "text": "..."}); only text is supported')
+                kinds = "a text or image_url part" if limits is not None and limits.images else "a text part"
+                raise bad(param, f"'{param}' must be {kinds} "
+                                 '({"type": "text", "text": "..."}); got ' + _show(part))
+            _no_image_mark(part["text"], param)
             parts.append(part["text"])
         return "".join(parts)
     raise bad(f"messages[{i}].content",
-              f"'messages[{i}].content' must be a string, null or an array of text parts, got {_show(content)}")
+              f"'messages[{i}].content' must be a string, null or an array of content parts, got {_show(content)}")
+
+
+def _no_image_mark(text: str, param: str) -> None:
+    if IMAGE_MARK in text:
+        raise bad(param, f"'{param}' holds the character U+{ord(IMAGE_MARK):04X}, which stands for images here")
+
+
+def _image_part(part: dict, param: str, role, images: list | None, limits: Limits | None) -> str:
+    processor = limits.images if limits is not None else None
+    if processor is None or images is None:
+        raise bad(param, f"'{param}': this model takes no images (its checkpoint has no vision tower)")
+    if role != "user":
+        raise bad(param, f"'{param}': images go in user messages, not {_show(role)}")
+    _only_keys(part, param, ("type", "image_url"))
+    spec = part.get("image_url")
+    if isinstance(spec, dict):
+        _only_keys(spec, f"{param}.image_url", ("url", "detail"))
+        url = spec.get("url")
+    else:
+        url = spec
+    if len(images) >= processor.max_images:
+        raise bad(param, f"'{param}': a request holds at most {processor.max_images} images (--max-images-per-request)")
+    try:
+        pixels, grid = processor.preprocess(read_image_url(url, processor))
+    except ImageError as e:
+        raise bad(param, f"'{param}.image_url.url': {e}") from None
+    images.append((param, pixels, grid))
+    return IMAGE_MARK
+
+
+def _expand_images(ids: list[int], images: list, processor: ImageProcessor) -> tuple[list[int], list[ImageInput]]:
+    """``ids`` with each image's one placeholder id repeated to its token count, and the images' inputs."""
+    at = [k for k, t in enumerate(ids) if t == processor.image_token_id]
+    if len(at) != len(images):
+        raise bad("messages", f"the rendered prompt holds {len(at)} image placeholders for {len(images)} images "
+                              "(message text may not contain <|image_pad|>)")
+    out, inputs, prev = [], [], 0
+    for k, (_, pixels, grid) in zip(at, images, strict=True):
+        out += ids[prev:k]
+        inputs.append(image_input(pixels, grid, len(out), processor.merge_size))
+        out += [processor.image_token_id] * inputs[-1].tokens
+        prev = k + 1
+    return out + ids[prev:], inputs
 
 
 def _only_keys(value: dict, param: str, allowed: tuple[str, ...]) -> None:
@@ -563,7 +621,7 @@ def _no_special_text(value: Any, param: str, tokenizer) -> None:
             stack += [(f"{path}[{k}]", sub) for k, sub in enumerate(item)]
 
 
-def _render_message(m: Any, i: int) -> dict:
+def _render_message(m: Any, i: int, images: list | None = None, limits: Limits | None = None) -> dict:
     """A request message as the chat template gets it."""
     if not isinstance(m, dict):
         raise bad(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_show(m)}")
@@ -579,7 +637,7 @@ def _render_message(m: Any, i: int) -> dict:
             where = [r for r, fields in ROLE_FIELDS.items() if key in fields]
             only = f" (only on {where[0]} messages)" if where else ""
             raise bad(f"messages[{i}].{key}", f"unsupported message field {_show(key)}{only}")
-    out = {"role": "system" if role == "developer" else role, "content": _message_text(m, i)}
+    out = {"role": "system" if role == "developer" else role, "content": _message_text(m, i, images, limits)}
     if role == "assistant":
         calls = _tool_calls(m, i)
         if calls:
@@ -605,7 +663,8 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     if parallel is not None and not isinstance(parallel, bool):
         raise bad("parallel_tool_calls", f"'parallel_tool_calls' must be true, false or null, got {_show(parallel)}")
     _no_special_text(tools, "tools", tokenizer)
-    rendered = [_render_message(m, i) for i, m in enumerate(messages)]
+    images: list = []
+    rendered = [_render_message(m, i, images, limits) for i, m in enumerate(messages)]
     for i, m in enumerate(rendered):
         for key in ("tool_calls", "reasoning_content"):
             if key in m:
@@ -621,7 +680,8 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     generation_prompt = _flag(body, "add_generation_prompt", True)
     try:
         ids = tokenizer.apply_chat_template(rendered, add_generation_prompt=generation_prompt,
-                                            encode_content=answers.lookup if answers else None, **kwargs)
+                                            encode_content=answers.lookup if answers else None,
+                                            images=bool(images), **kwargs)
     except Exception as e:  # a template error is the request's fault (roles, kwargs)
         raise bad("messages", f"the chat template could not render these messages: {e}") from None
     except BaseException as e:
@@ -629,6 +689,11 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
             raise
         raise bad("messages", f"messages could not be tokenized (the tokenizer failed: {e}; a very long run of "
                               "whitespace can do this)") from None
+    inputs: list[ImageInput] = []
+    if images:
+        ids, inputs = _expand_images(ids, images, limits.images)
+        if body.get("truncate_prompt_tokens") is not None:
+            raise bad("truncate_prompt_tokens", "'truncate_prompt_tokens' cannot cut a prompt that holds images")
     ids = _truncated(body, ids, limits)
     _check_prompt_ids(ids, limits, "messages")
     params = _sampling(body, limits)
@@ -638,7 +703,7 @@ def parse_chat(body: Any, limits: Limits, tokenizer, answers=None) -> ParsedRequ
     return ParsedRequest(chat=True, prompt_ids=ids, max_tokens=max_tokens, logprobs=parse_logprobs(body, chat=True),
                          controls=parse_controls(body, limits.vocab_size, max_tokens),
                          parse_tool_calls=bool(tools) and choice != "none", parallel_tool_calls=parallel is not False,
-                         **params)
+                         images=inputs, **params)
 
 
 def usage_body(usage) -> dict[str, Any]:

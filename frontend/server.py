@@ -25,6 +25,7 @@ from ..config.server_args import ServerArgs
 from ..messages import Drained, GenerateReq, Ready, SamplingParams, TextDelta, Usage
 from ..runtime.ipc import Push
 from ..tokenizer import load_tokenizer
+from ..vision import ImageProcessor
 from .engine_client import EngineClient
 from .errors import APIError
 from .logprobs import chat_logprobs, completion_logprobs
@@ -81,6 +82,21 @@ def _sse(data) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
+def image_processor(args: ServerArgs, config: ModelConfig, model_path: str, tokenizer) -> ImageProcessor | None:
+    """The image processor of a model with a vision tower (None: text only)."""
+    if config.vision_config is None:
+        return None
+    pad = tokenizer.encode_with_special("<|image_pad|>")
+    if pad != [config.image_token_id]:
+        logger.warning("the tokenizer encodes <|image_pad|> as %s, not the image token id %d of config.json: "
+                       "serving text only", pad, config.image_token_id)
+        return None
+    return ImageProcessor.from_checkpoint(model_path, config.vision_config, config.image_token_id,
+                                          max_images=args.max_images_per_request,
+                                          max_image_pixels=args.max_image_pixels,
+                                          allowed_domains=tuple(args.allowed_media_domains))
+
+
 class Frontend:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args = args
@@ -91,7 +107,8 @@ class Frontend:
         self.limits = Limits(model_name=args.model_name, max_model_len=sizes.max_model_len,
                              kv_capacity=sizes.num_pages * sizes.page_size, vocab_size=config.vocab_size,
                              default_max_tokens=args.default_max_tokens, max_token_bytes=max_token_bytes,
-                             max_requests=args.max_running_requests + args.max_queued_requests)
+                             max_requests=args.max_running_requests + args.max_queued_requests,
+                             images=image_processor(args, config, model_path, self.tokenizer))
         # The stored format of the weights, as /v1/models reports it (null: the checkpoint's float dtype).
         self.quantization = config.quantization.label if config.quantization is not None else None
         self.metrics = Metrics()
@@ -213,7 +230,7 @@ class Frontend:
                     stop_token_ids=parsed.controls["stop_token_ids"],
                     include_stop_str_in_output=parsed.controls["include_stop_str_in_output"],
                     after=None if i == 0 else base,
-                    prompt_logprobs=prompt_lp if i == 0 or entries is None else -1))
+                    prompt_logprobs=prompt_lp if i == 0 or entries is None else -1, images=parsed.images))
                 choices.append(Choice(choice_rid, ids, queue, None if entries is None else (i == 0, entries)))
         try:
             if parsed.stream:
