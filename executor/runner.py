@@ -93,6 +93,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.images: dict[int, RequestImages] = {}  # slot -> its request's images
         self.vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image digest -> features, LRU
+        self.images_encoded = 0
         self.compiles: CompileCounter | None = None  # the serving executor's (warm.py)
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
         self.layer_major: LayerMajorPrefill | None = None  # the layer-major prefill under way, over turns
@@ -116,6 +117,8 @@ class ModelRunner:
             out["tp_hc_shard_forwards"] = [self.hc_shard_forwards]
         if self.graphs is not None and self.graphs.capture:
             out["cuda_graph_replays"] = [self.graphs.steps]
+        if self.model.visual is not None:
+            out["images_encoded"] = [self.images_encoded]
         if self.compiles is not None:
             compiles, captures = self.compiles.after_ready()
             out["compilations_after_ready"] = [compiles]
@@ -206,11 +209,16 @@ class ModelRunner:
         """Before a batch's forward: prefix-cache restores (checkpoint slots into request slots, two disjoint
         pools: no chains), and the tokens of decodes scheduled ahead."""
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
+        with_images = [spec for spec in batch.segments if spec.images]
+        if with_images:  # every image of the batch in one tower forward
+            self._encode([im for spec in with_images for im in spec.images])
         for spec in batch.segments:
             if spec.images:
-                self.images[spec.slot] = self._encode(spec.images)
+                self.images[spec.slot] = self._request_images(spec.images)
             elif spec.page_base == 0 and spec.pages:  # a request's first segment: the slot's images are gone
                 self.images.pop(spec.slot, None)
+        while len(self.vision_cache) > VISION_CACHE:
+            self.vision_cache.popitem(last=False)
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
                 if len(spec.token_ids) != 1:
                     raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
@@ -313,29 +321,31 @@ class ModelRunner:
                 and all(is_decode(s) and not s.want_logits and not s.prompt_targets and s.slot not in self.images
                         for s in batch.segments))
 
-    def _encode(self, images: list[ImageInput]) -> RequestImages:
-        """The vision features of a request's images (those encoded for a request before, such as the
-        other choices of an ``n > 1`` request, from the cache), in one tower forward for the rest."""
+    def _encode(self, images: list[ImageInput]) -> None:
+        """Encode the images not in the feature cache (those of a request encoded before, such as the
+        other choices of an ``n > 1`` request, are), in one tower forward."""
         if self.model.visual is None:
             raise ValueError("this checkpoint has no vision tower: its requests cannot hold images")
         tower = self.model.visual
-        todo = [im for im in images if im.digest not in self.vision_cache]
-        if todo:
-            pixels = torch.cat([torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(
-                -1, tower.cfg.patch_dim) for im in todo]).to(self.device)
-            with torch.inference_mode():
-                features = tower(pixels, [tuple(im.grid) for im in todo])
-            at = 0
-            for im in todo:
-                n = tower.tokens(tuple(im.grid))
-                self.vision_cache[im.digest] = features[at:at + n]
-                at += n
-                while len(self.vision_cache) > VISION_CACHE:
-                    self.vision_cache.popitem(last=False)
+        todo = list({im.digest: im for im in images if im.digest not in self.vision_cache}.values())
+        if not todo:
+            return
+        pixels = torch.cat([torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(-1, tower.cfg.patch_dim)
+                            for im in todo]).to(self.device)
+        with torch.inference_mode():
+            features = tower(pixels, [tuple(im.grid) for im in todo])
+        at = 0
+        for im in todo:
+            n = tower.tokens(tuple(im.grid))
+            self.vision_cache[im.digest] = features[at:at + n]
+            at += n
+        self.images_encoded += len(todo)
+
+    def _request_images(self, images: list[ImageInput]) -> RequestImages:
         for im in images:
             self.vision_cache.move_to_end(im.digest)
         features = torch.cat([self.vision_cache[im.digest] for im in images])
-        return RequestImages(images, features, tower.cfg.spatial_merge_size)
+        return RequestImages(images, features, self.model.visual.cfg.spatial_merge_size)
 
     def _execute_graph(self, specs: list[SegmentSpec]) -> Launched | None:
         """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly). With plain

@@ -126,7 +126,9 @@ class Metrics:
                      cuda_graph_replays="Decode steps replayed from CUDA graphs.",
                      compilations_after_ready="Kernel specializations compiled or loaded after ready (the "
                                               "warm-up missed them).",
-                     graph_captures_after_ready="Decode graphs captured after ready (the warm-up missed them).")
+                     graph_captures_after_ready="Decode graphs captured after ready (the warm-up missed them).",
+                     images_encoded="Images run through the vision tower (each distinct image once while its "
+                                    "features stay cached).")
         for name, values in sorted(s.executor_stats.items()):
             lines += [f"# HELP tidal_{name}_total {helps.get(name, name)}", f"# TYPE tidal_{name}_total counter"]
             if name.startswith("expert_"):

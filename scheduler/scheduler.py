@@ -503,8 +503,6 @@ class Scheduler:
             req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
                                                         len(self.running) + len(self.waiting), req.full_prompt,
                                                         busy)
-            if req.images and req.layer_major:
-                req.layer_major, why = False, "chunked: images (layer-major prefills are text only)"
             plan = self._plan(req)
             self.running[req.rid] = req
             if req.admitted:  # resumed after a preemption: admitted (and reported) once already

@@ -120,8 +120,17 @@ def test_greedy_ids_cold_chunked_cached_and_another_image(composite):
     assert chunked.generate([other], max_tokens=8, ignore_eos=True, images=[other_images])[0] == hf_greedy(
         hf, other, other_pixels, grid_t, 8)
     assert chunked.scheduler.counters["cached_tokens"] - hit <= images[0].offset
+    # Each distinct image went through the tower once (three, then three others).
+    assert chunked.runner.stats()["images_encoded"] == [6]
     stats = chunked.scheduler.stats()
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+    # Layer-major over internal chunks of 16 (in one turn and over turns), cold and after a hit.
+    for size in (0, 3):
+        lm = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8,
+                 moe_strategy="offload", moe_cache_slots=4, prefill_layer_major=True, layer_major_slice=size)
+        for _ in range(2):
+            assert lm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want, size
+        assert lm.scheduler.counters["layer_major_turns"] >= 1
 
 
 def test_bad_image_runs_are_refused(composite):
@@ -136,3 +145,68 @@ def test_bad_image_runs_are_refused(composite):
     with pytest.raises(GenerationError, match="image 0: prompt positions"):
         llm.generate([prompt], max_tokens=2, images=[[moved]])
     assert llm.generate([prompt], max_tokens=2, images=[images])  # the server goes on
+
+
+def _tp_rank(rank: int, port: int, path: str, prompt: list[int], images, queue) -> None:
+    torch.set_num_threads(1)
+    from tidal.executor.distributed import init_tp
+
+    init_tp(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
+    try:
+        llm = LLM(path, tp=2, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
+        logits = llm.score(prompt, images=images)
+        ids = [llm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] for _ in range(2)]
+        if rank == 0:
+            queue.put((logits.numpy(), ids))
+    except Exception as e:  # report instead of hanging the parent
+        queue.put(e)
+        raise
+
+
+def test_tensor_parallel_two_ranks_equal_one(composite):
+    """Under --tp 2 (gloo): the same logits and greedy ids, cold and after a prefix-cache hit."""
+    import torch.multiprocessing as mp
+
+    from .test_tensor_parallel import _free_port
+
+    name, path, hf = composite
+    if name != "patch16_merge2":
+        pytest.skip("this config's one GDN key head does not split across two ranks")
+    grids, texts = CASES["image first, three images"]
+    prompt, images, pixels, grid_t = images_and_prompt(hf, grids, texts, seed=5)
+    one = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
+    want = one.score(prompt, images=images), one.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, path, prompt, images, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    if isinstance(result, Exception):
+        raise result
+    logits, ids = result
+    assert (torch.from_numpy(logits) - want[0]).abs().max().item() <= 1e-4
+    assert ids == [want[1], want[1]]
+
+
+def test_preempted_image_requests_equal_their_runs_alone(composite):
+    """Three image requests share a pool too small for all: preempted ones resume (their images sent
+    and their positions rebuilt again) and generate what each does alone."""
+    name, path, hf = composite
+    runs = [images_and_prompt(hf, *CASES["one image between text"], seed=20),
+            images_and_prompt(hf, *CASES["image first, three images"], seed=21),
+            images_and_prompt(hf, [(1, 2, 2)], [[30, 31], [32]], seed=22)]
+    prompts = [r[0] for r in runs]
+    images = [r[1] for r in runs]
+    small = dict(dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
+    alone = [LLM(path, **small).generate([p], max_tokens=40, ignore_eos=True, images=[im])[0]
+             for p, im in zip(prompts, images, strict=True)]
+    need = max(len(p) for p in prompts) + 40
+    llm = LLM(path, **small, kv_pool_tokens=2 * need, max_model_len=need + 4)
+    assert llm.generate(prompts, max_tokens=40, ignore_eos=True, images=images) == alone
+    assert llm.scheduler.counters["preemptions"] > 0
+    stats = llm.scheduler.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
