@@ -217,8 +217,6 @@ class ModelRunner:
                 self.images[spec.slot] = self._request_images(spec.images)
             elif spec.page_base == 0 and spec.pages:  # a request's first segment: the slot's images are gone
                 self.images.pop(spec.slot, None)
-        while len(self.vision_cache) > VISION_CACHE:
-            self.vision_cache.popitem(last=False)
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
                 if len(spec.token_ids) != 1:
                     raise ValueError(f"segment of request {spec.rid}: token -1 stands for one decode token")
@@ -229,6 +227,8 @@ class ModelRunner:
                 spec.token_ids = [self.last_sampled.get(spec.slot, 0)]
             if spec.sample:  # what this batch samples replaces what the slot sampled before, or nothing
                 self.last_sampled.pop(spec.slot, None)
+        while len(self.vision_cache) > VISION_CACHE:
+            self.vision_cache.popitem(last=False)
 
     def _layer_major_turn(self, batch: Batch) -> RunnerOutput:
         """One turn of a layer-major prefill (``batch.turn`` of ``batch.turns``, ``batch.layer_chunks``

@@ -90,6 +90,8 @@ def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: 
         return normal(0.1, 1.0)
     if name.endswith("conv1d.weight"):
         return normal(1.0 / math.sqrt(shape[-1]))
+    if name.startswith("visual.") and "norm" in leaf[-2] and name.endswith(".weight"):  # the tower's LayerNorms
+        return normal(0.1, 1.0)
     if "norm" in leaf[-2] and name.endswith(".weight"):  # every (1 + w) RMSNorm
         return normal(0.1)
     if name.endswith("embed_tokens.weight") or name.endswith("ngram_embedding.weight"):

@@ -271,3 +271,18 @@ def test_bench_serving_runs_on_cpu(tmp_path):
         assert served["bursts"][c]["all_tokens"] and forward["step_s"][c] > 0
         assert ratios["bursts"][c]["wall_over_forward"] > 0 and ratios["bursts"][c]["decode_over_forward"] > 0
     assert all(r > 0 for r in ratios["cold_over_forward"].values()) and ratios["first_over_warm"] > 0
+
+
+def test_bench_vision_runs_on_cpu(tmp_path):
+    """The vision benchmark end to end on the tiny preset with a small tower: cold and warm first text, the
+    prefix cached on the warm run, the tower's share and the forward-level prefill."""
+    out = tmp_path / "vl"
+    vision = '{"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_position_embeddings": 64}'
+    proc = subprocess.run([sys.executable, script("bench_vision.py"), "--out", str(out), "--preset", "tiny",
+                           "--device", "cpu", "--prompt-tokens", "300", "--vision", vision],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((out / "bench_vision.json").read_text())
+    assert data["left_after_stop"] == [] and 250 <= data["cold"]["prompt_tokens"] <= 320
+    assert data["warm"]["cached_tokens"] >= data["cold"]["prompt_tokens"] - 64
+    assert 0 < data["encoder_share_of_cold"] < 1 and data["forward_prefill_s"] > 0
