@@ -483,13 +483,34 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
         reader.close()
 
 
+class _VisionReader:
+    """The vision tower's tensors of a checkpoint, by their names inside the tower, read as ``_Reader`` reads."""
+
+    def __init__(self, reader: _Reader):
+        self.reader, self.index = reader, reader.vision
+
+    def key(self, name: str) -> str:
+        return self.index[name][1]
+
+    def read(self, name: str) -> torch.Tensor:
+        file, key = self.index[name]
+        return self.reader._handle(file).get_tensor(key)
+
+
 def _load_vision(tower, reader: _Reader) -> None:
+    """The tower's weights; quantized linears (NVFP4, block or per-tensor FP8, as the text model's dense layers
+    may be) are dequantized once, here."""
+    vision = _VisionReader(reader)
     tensors = {}
-    for name, (file, key) in reader.vision.items():
-        tensor = reader._handle(file).get_tensor(key)
+    for name in vision.index:
+        if name.endswith(SCALE_SUFFIXES):
+            continue
+        tensor = vision.read(name)
         if tensor.dtype in QUANT_DTYPES:
-            raise CheckpointError(f"tensor {key} of the vision tower is quantized ({tensor.dtype}); tidal reads the "
-                                  "vision tower in bf16, fp16 or fp32")
+            if not name.endswith(".weight") or tensor.dim() != 2:
+                raise CheckpointError(f"tensor {vision.key(name)} of the vision tower is quantized "
+                                      f"({tensor.dtype}); only linear weights may be")
+            tensor = _dequantize_linear(vision, name[: -len(".weight")], tensor)
         tensors[name] = tensor
     try:
         tower.load(tensors)

@@ -4,6 +4,8 @@ patch and merge sizes, one and three images, images first and between text)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -210,3 +212,51 @@ def test_preempted_image_requests_equal_their_runs_alone(composite):
     assert llm.scheduler.counters["preemptions"] > 0
     stats = llm.scheduler.stats()
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+def fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 as the published Qwen FP8 checkpoints store it (128 x 128 blocks, scale = amax / 448), in
+    plain torch: ``(float8_e4m3fn values, weight_scale_inv)``."""
+    rows, cols = w.shape
+    rb, cb = -(-rows // 128), -(-cols // 128)
+    padded = torch.zeros(rb * 128, cb * 128)
+    padded[:rows, :cols] = w
+    blocks = padded.view(rb, 128, cb, 128)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(rb * 128, cb * 128)[:rows, :cols].contiguous(), scale
+
+
+def test_a_block_fp8_vision_tower_loads_dequantized(composite, tmp_path):
+    """A checkpoint whose tower's linear weights are block FP8 (with ``weight_scale_inv``) serves the logits of
+    transformers' model on the dequantized weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen4ExpForConditionalGeneration
+
+    name, path, hf = composite
+    quant = tmp_path / "fp8"
+    shutil.copytree(path, quant)
+    files = [f for f in os.listdir(quant) if f.endswith(".safetensors")]
+    deq = {}
+    for f in files:
+        tensors = load_file(quant / f)
+        for key in [k for k in tensors if k.startswith("model.visual.") and k.endswith(".weight")
+                    and tensors[k].dim() == 2 and "pos_embed" not in k]:
+            q, scale = fp8_block(tensors[key].float())
+            tensors[key], tensors[key[:-len("weight")] + "weight_scale_inv"] = q, scale
+            rows = torch.arange(q.shape[0]) // 128
+            deq[key] = q.float() * scale[rows].repeat_interleave(128, dim=1)[:, :q.shape[1]]
+        save_file(tensors, quant / f)
+    assert deq
+    ref = Qwen4ExpForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        params = dict(ref.named_parameters())
+        for key, value in deq.items():
+            params[key].copy_(value)
+    grids, texts = CASES["one image between text"]
+    prompt, images, pixels, grid_t = images_and_prompt(ref, grids, texts, seed=9)
+    got = LLM(str(quant), dtype="float32").score(prompt, images=images)
+    torch.testing.assert_close(got, hf_forward(ref, prompt, pixels, grid_t), atol=1e-3, rtol=0)
