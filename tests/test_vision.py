@@ -111,6 +111,10 @@ def test_greedy_ids_cold_chunked_cached_and_another_image(composite):
     assert cold.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
     chunked = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
     assert chunked.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
+    coalesced = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8,
+                    prefill_coalesce=True)
+    for _ in range(2):  # cold, then from a checkpoint
+        assert coalesced.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
     # The same images again: a prefix-cache hit inside the prompt, ids unchanged.
     before = chunked.scheduler.counters.get("cached_tokens", 0)
     assert chunked.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want
@@ -149,24 +153,28 @@ def test_bad_image_runs_are_refused(composite):
     assert llm.generate([prompt], max_tokens=2, images=[images])  # the server goes on
 
 
-def _tp_rank(rank: int, port: int, path: str, prompt: list[int], images, queue) -> None:
+def _tp_rank(rank: int, port: int, path: str, runs, queue) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
     init_tp(rank, 2, f"tcp://127.0.0.1:{port}", "gloo")
     try:
-        llm = LLM(path, tp=2, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
-        logits = llm.score(prompt, images=images)
-        ids = [llm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] for _ in range(2)]
+        results = []
+        for prompt, images, kwargs in runs:
+            llm = LLM(path, tp=2, dtype="float32", **kwargs)
+            logits = llm.score(prompt, images=images)
+            ids = [llm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] for _ in range(2)]
+            results.append((logits.numpy(), ids, llm.runner.stats().get("tp_hc_shard_forwards", [0])[0]))
         if rank == 0:
-            queue.put((logits.numpy(), ids))
+            queue.put(results)
     except Exception as e:  # report instead of hanging the parent
         queue.put(e)
         raise
 
 
 def test_tensor_parallel_two_ranks_equal_one(composite):
-    """Under --tp 2 (gloo): the same logits and greedy ids, cold and after a prefix-cache hit."""
+    """Under --tp 2 (gloo): the same logits and greedy ids, cold and after a prefix-cache hit; and a
+    1,024-row prompt with images prefilled with hyper-connection row sharding."""
     import torch.multiprocessing as mp
 
     from .test_tensor_parallel import _free_port
@@ -175,23 +183,32 @@ def test_tensor_parallel_two_ranks_equal_one(composite):
     if name != "patch16_merge2":
         pytest.skip("this config's one GDN key head does not split across two ranks")
     grids, texts = CASES["image first, three images"]
-    prompt, images, pixels, grid_t = images_and_prompt(hf, grids, texts, seed=5)
-    one = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
-    want = one.score(prompt, images=images), one.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0]
+    prompt, images, _, _ = images_and_prompt(hf, grids, texts, seed=5)
+    chunked = dict(max_prefill_length=16, page_size=4, checkpoint_align=8)
+    long_texts = [[], [12, 13], [14] * 500, [15] * (1024 - 502 - 16)]  # 16: 10 vision tokens, 6 marks
+    long, long_images, _, _ = images_and_prompt(hf, grids, long_texts, seed=6)
+    assert len(long) == 1024
+    sharded = dict(max_prefill_length=1024, hc_prefill_mode="shard", disable_prefix_cache=True)
+    runs = [(prompt, images, chunked), (long, long_images, sharded)]
+    want = []
+    for p, im, kwargs in runs:
+        one = LLM(path, dtype="float32", **{k: v for k, v in kwargs.items() if k != "hc_prefill_mode"})
+        want.append((one.score(p, images=im), one.generate([p], max_tokens=8, ignore_eos=True, images=[im])[0]))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, path, prompt, images, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, port, path, runs, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=300)
+    result = queue.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
     if isinstance(result, Exception):
         raise result
-    logits, ids = result
-    assert (torch.from_numpy(logits) - want[0]).abs().max().item() <= 1e-4
-    assert ids == [want[1], want[1]]
+    for (logits, ids, shard_forwards), (ref_logits, ref_ids), (_, _, kwargs) in zip(result, want, runs, strict=True):
+        assert (torch.from_numpy(logits) - ref_logits).abs().max().item() <= 1e-4
+        assert ids == [ref_ids, ref_ids]
+        assert (shard_forwards > 0) == ("hc_prefill_mode" in kwargs)
 
 
 def test_preempted_image_requests_equal_their_runs_alone(composite):
