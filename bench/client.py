@@ -200,13 +200,13 @@ def check(obs: dict[str, Any], prompt_tokens: int, max_tokens: int, received: in
     return res
 
 
-async def stream_events(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+async def stream_events(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
                         events: list[float], info: dict, model: str = "bench") -> None:
     """One greedy streamed completion of ``max_tokens`` (``ignore_eos``); the arrival time
     (``time.monotonic``) of each SSE event with text is appended to ``events`` as it comes, so a cancelled
     stream keeps what it saw; ``info`` gets the response ``id`` and the final ``usage``."""
     body = request_body(model, prompt, max_tokens, logprobs=False)
-    async with session.post(url + "/v1/completions", json=body) as r:
+    async with http.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise EndpointError(f"{url}: {_error_text(r.status, await r.read())}")
         async for raw in r.content:

@@ -45,6 +45,7 @@ from tidal import LLM
 from tidal.bench.client import stream_events
 from tidal.bench.server import Server
 from tidal.bench.stats import gaps, percentile
+from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
 from tidal.messages import GenerateReq, SamplingParams
 
@@ -64,11 +65,11 @@ class Prompts:
 
 async def burst(url: str, prompts: list[list[int]], tokens: int) -> dict:
     """Every prompt sent at once; per request its text-event times, relative to the burst's start."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         events: list[list[float]] = [[] for _ in prompts]
         infos: list[dict] = [{} for _ in prompts]
         t0 = time.monotonic()
-        await asyncio.gather(*(stream_events(session, url, p, tokens, e, i)
+        await asyncio.gather(*(stream_events(http, url, p, tokens, e, i)
                                for p, e, i in zip(prompts, events, infos, strict=True)))
         wall = time.monotonic() - t0
     return {"events": [[t - t0 for t in e] for e in events], "infos": infos, "wall_s": wall}
@@ -129,17 +130,8 @@ def serving(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     return out
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def timed(device: str, fn) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
+    return host_seconds(fn, torch.device(device))
 
 
 def decode_step(llm: LLM, prompts: Prompts, batch: int, prompt_tokens: int, device: str) -> float:

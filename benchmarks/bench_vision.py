@@ -33,6 +33,7 @@ import torch
 
 from tidal import LLM
 from tidal.bench.server import Server
+from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
 from tidal.vision import ImageProcessor, image_input
 
@@ -81,9 +82,9 @@ async def first_text(url: str, image_png: bytes) -> tuple[float, dict]:
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image_png)
                                                     .decode()}}]}]}
     first, usage = None, {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         t0 = time.monotonic()
-        async with session.post(url + "/v1/chat/completions", json=body) as r:
+        async with http.post(url + "/v1/chat/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
             async for line in r.content:
@@ -97,16 +98,6 @@ async def first_text(url: str, image_png: bytes) -> tuple[float, dict]:
                 if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     first = time.monotonic() - t0
     return first, usage
-
-
-def timed(device: str, fn) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -153,7 +144,7 @@ def main() -> None:
     tower = llm.runner.model.visual
     values = torch.from_numpy(pixels).to(llm.runner.device)
     with torch.inference_mode():
-        runs = [timed(ns.device, lambda: tower(values, [grid])) for _ in range(4)][1:]
+        runs = [host_seconds(lambda: tower(values, [grid]), llm.runner.device) for _ in range(4)][1:]
     encoder = statistics.median(runs)
     tokens = processor.tokens(grid)
     prompt = [11] * 10 + [llm.config.vision_start_token_id] + [llm.config.image_token_id] * tokens + [
@@ -161,7 +152,8 @@ def main() -> None:
     images = [image_input(pixels, grid, 11, processor.merge_size)]
     llm.generate([prompt], max_tokens=1, ignore_eos=True, images=[images])  # warm-up
     other = [image_input(pixels[::-1].copy(), grid, 11, processor.merge_size)]  # another image: nothing cached
-    forward = timed(ns.device, lambda: llm.generate([prompt], max_tokens=1, ignore_eos=True, images=[other]))
+    forward = host_seconds(lambda: llm.generate([prompt], max_tokens=1, ignore_eos=True, images=[other]),
+                           llm.runner.device)
     out["encoder_s"] = encoder
     out["encoder_share_of_cold"] = encoder / cold
     out["forward_prefill_s"] = forward

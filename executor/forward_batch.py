@@ -326,23 +326,20 @@ def _images_host(up: Upload, segments: list[Segment], ratio: int):
     if not any(s.images is not None for s in segments):
         return None
 
-    def positions(seg: Segment, start: int, n: int) -> np.ndarray:
-        if seg.images is None:
-            return np.broadcast_to(np.arange(start, start + n, dtype=np.int64), (3, n))
-        return seg.images.positions(start, n)
+    def positions(seg: Segment, seq: np.ndarray) -> np.ndarray:
+        return np.broadcast_to(seq, (3, len(seq))) if seg.images is None else seg.images.positions(seq)
 
     rope, rows, embeds = [], [], []
     blocks = []
     for seg in segments:
-        rope.append(positions(seg, seg.start, seg.length))
+        rope.append(positions(seg, np.arange(seg.start, seg.end, dtype=np.int64)))
         if seg.images is not None:
             offsets, feature_rows = seg.images.rows(seg.start, seg.length)
             if len(offsets):
                 rows.append(seg.row0 + offsets)
                 embeds.append(seg.images.features[feature_rows])
-        if ratio:
-            for block in range(seg.start // ratio, seg.end // ratio):
-                blocks.append(positions(seg, block * ratio, 1))
+        if ratio:  # the first position of every block the segment completes
+            blocks.append(positions(seg, np.arange(seg.start // ratio, seg.end // ratio, dtype=np.int64) * ratio))
     rope_i = up.add(np.ascontiguousarray(np.concatenate(rope, axis=1)).reshape(-1))
     rows_i = up.add(np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64))
     block_pos = np.concatenate(blocks, axis=1) if blocks else np.zeros((3, 0), dtype=np.int64)

@@ -30,10 +30,9 @@ class RequestImages:
         self.features = features
         self.delta = sum(max(gh, gw) - n for _, n, _, gh, gw in self.spans)
 
-    def positions(self, start: int, n: int) -> np.ndarray:
-        """``[3, n]`` (frame, row, column) positions of sequence positions ``[start, start + n)``."""
-        seq = np.arange(start, start + n, dtype=np.int64)
-        out = np.broadcast_to(seq, (3, n)).copy()
+    def positions(self, seq: np.ndarray) -> np.ndarray:
+        """``[3, len(seq)]`` (frame, row, column) positions of the sequence positions ``seq``."""
+        out = np.broadcast_to(seq, (3, len(seq))).copy()
         shift = 0  # what the images before a position add to it
         for offset, tokens, _, gh, gw in self.spans:
             inside = (seq >= offset) & (seq < offset + tokens)

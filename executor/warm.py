@@ -61,11 +61,6 @@ def prefill_lengths(limit: int) -> list[int]:
     return sorted(n for n in lengths if 1 <= n <= limit)
 
 
-def decode_rows(limit: int) -> list[int]:
-    """Eager decode batch sizes (rows) that meet every specialization of up to ``limit`` rows."""
-    return prefill_lengths(limit)
-
-
 class CompileCounter:
     """Counts Triton compilations in this process (each kernel specialization first met here, compiled
     or loaded from the cache) and decode-graph captures; ``after_ready``: those since :meth:`ready`."""
@@ -134,7 +129,7 @@ class WarmUp:
         out += [("continuation", None), ("mixed", None), ("sampling", None)]
         if self.layer_major_chunk:
             out.append(("layer_major", self.layer_major))
-        out += [("decode", rows) for rows in decode_rows(self.max_rows)]
+        out += [("decode", rows) for rows in prefill_lengths(self.max_rows)]  # the same classes, in rows
         graphs = self.runner.graphs
         if graphs is not None and graphs.capture:
             out += [("graph", key) for key in graphs.shapes()]

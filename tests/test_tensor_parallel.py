@@ -86,24 +86,30 @@ def _rank_main(rank: int, size: int, port: int, path: str, variants: list[dict],
         raise
 
 
-def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
-    """For each ``LLM`` keyword set in ``variants``, run in turn by one set of ``size`` rank processes:
-    ``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0 (with
-    ``length`` 0, what :func:`_prefix_run` returns)."""
-    needs_devices(size)
+def spawn_ranks(size: int, target, args, timeout: float = 300):
+    """Run ``target(*args(rank, port, queue))`` in ``size`` spawned rank processes that meet at a free port;
+    what rank 0 puts on ``queue`` (an exception it puts there is raised here)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, path, variants, queue, length))
-             for r in range(size)]
+    procs = [ctx.Process(target=target, args=args(r, port, queue)) for r in range(size)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=300)
+    result = queue.get(timeout=timeout)
     for p in procs:
         p.join(timeout=60)
     if isinstance(result, Exception):
         raise result
     assert all(p.exitcode == 0 for p in procs)
+    return result
+
+
+def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
+    """For each ``LLM`` keyword set in ``variants``, run in turn by one set of ``size`` rank processes:
+    ``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0 (with
+    ``length`` 0, what :func:`_prefix_run` returns)."""
+    needs_devices(size)
+    result = spawn_ranks(size, _rank_main, lambda rank, port, queue: (rank, size, port, path, variants, queue, length))
     if length == 0:
         return result
     return [(torch.from_numpy(logits), ids, scored) for logits, ids, scored in result]

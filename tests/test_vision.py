@@ -172,16 +172,13 @@ def _tp_rank(rank: int, port: int, path: str, runs, queue) -> None:
         raise
 
 
+@pytest.mark.parametrize("composite", ["patch16_merge2"], indirect=True)  # the other config's 1 GDN key head
 def test_tensor_parallel_two_ranks_equal_one(composite):
     """Under --tp 2 (gloo): the same logits and greedy ids, cold and after a prefix-cache hit; and a
     1,024-row prompt with images prefilled with hyper-connection row sharding."""
-    import torch.multiprocessing as mp
-
-    from .test_tensor_parallel import _free_port
+    from .test_tensor_parallel import spawn_ranks
 
     name, path, hf = composite
-    if name != "patch16_merge2":
-        pytest.skip("this config's one GDN key head does not split across two ranks")
     grids, texts = CASES["image first, three images"]
     prompt, images, _, _ = images_and_prompt(hf, grids, texts, seed=5)
     chunked = dict(max_prefill_length=16, page_size=4, checkpoint_align=8)
@@ -194,17 +191,7 @@ def test_tensor_parallel_two_ranks_equal_one(composite):
     for p, im, kwargs in runs:
         one = LLM(path, dtype="float32", **{k: v for k, v in kwargs.items() if k != "hc_prefill_mode"})
         want.append((one.score(p, images=im), one.generate([p], max_tokens=8, ignore_eos=True, images=[im])[0]))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, path, runs, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    if isinstance(result, Exception):
-        raise result
+    result = spawn_ranks(2, _tp_rank, lambda rank, port, queue: (rank, port, path, runs, queue), timeout=600)
     for (logits, ids, shard_forwards), (ref_logits, ref_ids), (_, _, kwargs) in zip(result, want, runs, strict=True):
         assert (torch.from_numpy(logits) - ref_logits).abs().max().item() <= 1e-4
         assert ids == [ref_ids, ref_ids]
