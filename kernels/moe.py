@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from .backend import use_triton
 
 _torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-# torch's grouped GEMM takes at most this many groups a call (an expert cache holds more slots than that).
-MAX_GROUPS = 1024
+# Groups one call of torch's grouped GEMM takes (an expert cache holds more slots than that): on CUDA it
+# refuses 1,024 and more ("Can't process more than 1024 groups", torch 2.11 on an H200; 1,023 runs).
+MAX_GROUPS = 1023
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

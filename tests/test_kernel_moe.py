@@ -70,19 +70,19 @@ def test_shared_expert_added_on_the_cpu_path():
     assert torch.allclose(fused_experts(x, ids, w, gu, d, shared), expect, atol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [5, 300])
-def test_more_experts_than_one_grouped_gemm_takes_cpu(tokens):
-    """An expert cache of more than 1,024 slots: torch's grouped GEMM takes at most 1,024 groups a call."""
-    from tidal.kernels.moe import MAX_GROUPS
-
-    x, ids, w, gu, d = _case(tokens, 2 * MAX_GROUPS + 300, 4, 32, 16, "cpu", torch.float32)
+@pytest.mark.parametrize("tokens, experts", [(5, 2 * 1023 + 300), (300, 2 * 1023 + 300), (300, 1023), (300, 1024)])
+def test_more_experts_than_one_grouped_gemm_takes_cpu(tokens, experts):
+    """An expert cache of 1,023 slots and more: torch's grouped GEMM takes at most 1,023 groups a call."""
+    x, ids, w, gu, d = _case(tokens, experts, 4, 32, 16, "cpu", torch.float32)
     ref = fused_experts_ref(x, ids, w, gu, d)
     assert (fused_experts(x, ids, w, gu, d) - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.gpu
-def test_more_experts_than_one_grouped_gemm_takes_bf16_gpu():
-    x, ids, w, gu, d = _case(4099, 2300, 10, 2048, 512, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("experts", [1023, 1024, 2300])
+def test_more_experts_than_one_grouped_gemm_takes_bf16_gpu(experts):
+    """At the group limit of CUDA's grouped GEMM (1,023 a call), one past it, and two calls and a part."""
+    x, ids, w, gu, d = _case(4099, experts, 10, 2048, 512, "cuda", torch.bfloat16)
     ref = fused_experts_ref(x.float(), ids, w.float(), gu.float(), d.float())
     err = (fused_experts(x, ids, w, gu, d).float() - ref).norm() / ref.norm()
     assert err.item() <= 2e-2
