@@ -68,6 +68,7 @@ class CompileCounter:
     def __init__(self) -> None:
         self.compiles = 0
         self.graphs = None
+        self.missed: list[str] = []  # what compiled after ready (the kernel and its specialization)
         self._at_ready: tuple[int, int] | None = None
         try:
             from triton import knobs
@@ -78,7 +79,9 @@ class CompileCounter:
         def hook(*args, **kwargs):
             self.compiles += 1
             if self._at_ready is not None:
-                logger.warning("compiling %s after ready", kwargs.get("repr", "a kernel"))
+                what = kwargs.get("repr", "a kernel")
+                self.missed.append(what)
+                logger.warning("compiling %s after ready", what)
             return previous(*args, **kwargs) if previous is not None else False
 
         knobs.runtime.jit_cache_hook = hook
