@@ -84,8 +84,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     runner = build_runner(args, config, sizes, model_path, device=device)
     runner.compiles, compiles.graphs = compiles, runner.graphs
     if runner.device.type == "cuda" and not args.skip_warmup:
-        warm = WarmUp(runner, sizes.request_slots, sizes.num_pages, args.max_prefill_length or sizes.max_model_len,
-                      args.max_running_requests,
+        warm = WarmUp(runner, sizes, args.max_prefill_length or sizes.max_model_len, args.max_running_requests,
                       layer_major_chunk=layer_major_chunk(args))
         seconds = warm.run()
         logger.info("rank %d warmed up in %.1f s: %d steps, %d kernels compiled or loaded (cache %s), %d decode "

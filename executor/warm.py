@@ -3,14 +3,23 @@ decode graph captured, so that no request pays for compilation or capture.
 
 Triton compiles a kernel once per specialization: its constexprs (block sizes that tidal's launchers
 pick from powers of two of the sizes) and its integer arguments' classes (equal to 1, divisible by 16,
-neither). The warm-up therefore runs prefill forwards of 1 token and of each power of two up to the
-prefill budget (plus a decode row per running request), one less and one more; a continuation over a
-cached context; a forward mixing prefill rows with decode rows; a layer-major prefill when the server
-runs those; eager decode steps (rows that sample on the host) across batch sizes; each sampling path
-(greedy, filtered random, log-probabilities); and, with CUDA graphs, every graph shape
-(:meth:`DecodeGraphs.shapes`). Its forwards use the pools while nothing is admitted yet: every slot
-they touch starts fresh on its first real request and every page they write is overwritten before it
-is read.
+neither). Each size a forward has therefore walks a ladder (:func:`ladder`: 1, each power of two up to
+the limit, one less and one more, the limit and its largest multiple of 16), one axis at a time:
+
+* tokens: prefill forwards of every ladder length up to the prefill budget plus a decode row per running
+  request, each also with state exports inside and at the end (prefix-cache checkpoints);
+* context: a decode row and two prompt chunks after each ladder length of cached context, up to the
+  longest context the pool holds (attention and QSA block choice size their tiles by it);
+* segments: forwards of many requests: decode rows beside a prompt chunk, and many prompts at once (a burst);
+* eager decode steps of every ladder count of rows, each sampling path (greedy, filtered random,
+  log-probabilities), a continuation, a layer-major prefill when the server runs those;
+* with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`).
+
+Kernels depend on shapes, not on which layer runs them, so every forward but the graph captures runs over
+one layer of each kind (:func:`layer_kinds`): the warm-up costs a few layers' time, not the model's. Its
+forwards use the pools while nothing is admitted yet: every slot they touch starts fresh on its first real
+request and every page they write is overwritten before it is read (the values they compute are never
+looked at; the pools start zeroed, so every value they read is finite).
 
 Compiled kernels persist in ``--compile-cache`` (Triton's cache directory), so a second start loads
 them instead of compiling. After ready, :class:`CompileCounter` counts what the warm-up missed: Triton
@@ -19,9 +28,12 @@ compilations and graph captures, both exported as metrics, 0 when the warm-up me
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+
+from torch import nn
 
 from ..messages import Batch, SamplingParams, SegmentSpec
 from .progress import progress
@@ -50,15 +62,48 @@ def use_compile_cache(path: str, explicit: bool) -> None:
     os.environ["TRITON_CACHE_DIR"] = triton_dir
 
 
-def prefill_lengths(limit: int) -> list[int]:
-    """Prefill forward sizes (tokens) that meet every specialization a forward of up to ``limit`` tokens
-    meets."""
+def ladder(limit: int) -> list[int]:
+    """Sizes that meet every specialization a size of 1 to ``limit`` meets: each tile it pads to (a power of
+    two), and within it the classes of Triton's integer arguments (equal to 1, divisible by 16, neither)."""
     lengths = {1, limit - 1, limit, limit - limit % 16}
     power = 2
     while power <= limit:
         lengths |= {power - 1, power, power + 1}
         power *= 2
     return sorted(n for n in lengths if 1 <= n <= limit)
+
+
+def layer_signature(layer: nn.Module) -> tuple:
+    """What the kernels of a decoder layer can depend on: its module types and its tensors' names, shapes and
+    dtypes (the layer's index is not among them)."""
+    modules = tuple((name, type(m).__name__) for name, m in layer.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in layer.state_dict(keep_vars=True).items())
+    return modules, tensors
+
+
+def layer_kinds(layers) -> list[int]:
+    """Positions in ``layers`` of one layer of each kind: the first layer (the only one that takes no residual
+    from a layer before it) and the first of each :func:`layer_signature` after it."""
+    keep, seen = [], set()
+    for i, layer in enumerate(layers):
+        signature = (i == 0, layer_signature(layer))
+        if signature not in seen:
+            seen.add(signature)
+            keep.append(i)
+    return keep
+
+
+@contextlib.contextmanager
+def only_layers(model, positions: list[int]):
+    """Forwards of ``model`` (a ``Qwen4ExpForCausalLM``) run through its decoder layers at ``positions`` only,
+    until the block ends."""
+    inner = model.model
+    every = inner.layers
+    inner.layers = nn.ModuleList([every[i] for i in positions])
+    try:
+        yield
+    finally:
+        inner.layers = every
 
 
 class CompileCounter:
@@ -101,38 +146,49 @@ class CompileCounter:
 
 
 class WarmUp:
-    """The warm-up forwards of one runner, for pools of ``num_slots`` request slots and ``num_pages``
-    pages; ``max_prefill`` tokens per prefill forward, ``max_rows`` running requests. Slot 0 takes the
-    long prefills (pages from 0 on); every other slot holds at most ``SHORT`` tokens, in pages of its own
-    after those."""
+    """The warm-up forwards of one runner over its pools (``sizes``, a ``PoolSizes``): ``max_prefill`` tokens per
+    prefill forward, ``max_rows`` running requests, ``layer_major_chunk`` tokens an internal chunk of a
+    layer-major prefill (0: the server runs none).
 
-    SHORT = 33
+    Every forward takes pages from the first page on (they hold whatever an earlier forward left), each segment
+    a page table of its own covering its context and tokens, so any context up to the pool's size can be met;
+    requests' slots from 0, checkpoint exports go to the prefix cache's slots."""
 
-    def __init__(self, runner, num_slots: int, num_pages: int, max_prefill: int, max_rows: int,
-                 layer_major_chunk: int = 0):
+    # Prompt chunks after a cached context: an odd length and a multiple of 16.
+    CHUNKS = (17, 64)
+    # Tokens of each request of a burst (many prompts in one forward), at most.
+    BURST = 1024
+
+    def __init__(self, runner, sizes, max_prefill: int, max_rows: int, layer_major_chunk: int = 0):
         self.runner = runner
         self.page = runner.kv.page_size
-        pool_half = num_pages * self.page // 2
+        self.num_pages = sizes.num_pages
+        tokens = self.num_pages * self.page
+        self.max_rows = max(1, min(max_rows, sizes.request_slots))
         # A forward holds up to the prefill budget plus a decode row of every other running request.
-        self.max_prefill = max(1, min(max_prefill + max_rows, pool_half))
-        # Layer-major prefills (``layer_major_chunk`` tokens an internal chunk; 0: none): one of two and a
-        # half internal chunks.
+        self.max_prefill = max(1, min(max_prefill + self.max_rows, tokens - self.page * self.max_rows))
+        # The longest cached context a forward can meet: a request of up to --max-model-len tokens in the pool.
+        self.max_context = max(1, min(sizes.max_model_len, tokens) - max(self.CHUNKS) - self.page)
+        self.export_slots = list(range(sizes.request_slots, sizes.num_slots))[:2]
         self.layer_major_chunk = layer_major_chunk
-        self.layer_major = min(2 * layer_major_chunk + layer_major_chunk // 2 + 1, pool_half)
-        self.long_pages = -(-max(self.max_prefill, self.layer_major if layer_major_chunk else 0) // self.page)
-        self.short_pages = -(-self.SHORT // self.page)
-        room = (num_pages - self.long_pages) // self.short_pages
-        self.max_rows = max(1, min(max_rows, num_slots - 1, room))
+        self.layer_major = min(2 * layer_major_chunk + layer_major_chunk // 2 + 1, tokens - self.page)
         self.vocab = runner.config.vocab_size
+        self.kinds = layer_kinds(runner.model.model.layers)
         self._batch_id = 0
+        self._next_page = 0
 
     def steps(self) -> list[tuple[str, object]]:
         """The warm-up as a list of ``(what, argument)`` steps (the progress bar's units)."""
-        out: list[tuple[str, object]] = [("prefill", n) for n in prefill_lengths(self.max_prefill)]
-        out += [("continuation", None), ("mixed", None), ("sampling", None)]
+        out: list[tuple[str, object]] = [("prefill", n) for n in ladder(self.max_prefill)]
+        if self.export_slots:
+            out += [("exports", n) for n in ladder(self.max_prefill) if n > 64]
+        out += [("context", c) for c in ladder(self.max_context) if c > 1]
+        out += [("segments", r) for r in ladder(self.max_rows - 1)] if self.max_rows > 1 else []
+        out += [("burst", r) for r in ladder(self.max_rows) if r > 1]
+        out += [("decode", rows) for rows in ladder(self.max_rows)]
+        out += [("continuation", None), ("sampling", None)]
         if self.layer_major_chunk:
             out.append(("layer_major", self.layer_major))
-        out += [("decode", rows) for rows in prefill_lengths(self.max_rows)]  # the same classes, in rows
         graphs = self.runner.graphs
         if graphs is not None and graphs.capture:
             out += [("graph", key) for key in graphs.shapes()]
@@ -141,30 +197,35 @@ class WarmUp:
     def run(self) -> float:
         """Run every step; the seconds it took."""
         t0 = time.perf_counter()
+        model = self.runner.model
         for what, arg in progress(self.steps(), desc="warming up", unit="step"):
-            getattr(self, f"_{what}")(arg)
+            if what == "graph":  # a captured step replays the whole model
+                getattr(self, f"_{what}")(arg)
+                continue
+            with only_layers(model, self.kinds):
+                getattr(self, f"_{what}")(arg)
         self.runner.synchronize()
         return time.perf_counter() - t0
 
     # -- segments ------------------------------------------------------------------------------------
 
-    def _pages(self, slot: int, start: int, n: int) -> tuple[int, list[int]]:
-        """``(page_base, pages)`` of a segment of ``n`` tokens at ``start`` in ``slot``: the pages its rows
-        add to the slot's table."""
-        first = 0 if slot == 0 else self.long_pages + (slot - 1) * self.short_pages
-        have, need = -(-start // self.page), -(-(start + n) // self.page)
-        return have, list(range(first + have, first + need))
-
-    def _segment(self, slot: int, start: int, n: int, sampling: SamplingParams = GREEDY) -> SegmentSpec:
-        if slot and start + n > self.SHORT:
-            raise ValueError(f"warm-up segment of slot {slot} past {self.SHORT} tokens")
-        base, pages = self._pages(slot, start, n)
+    def _segment(self, slot: int, start: int, n: int, sampling: SamplingParams = GREEDY,
+                 exports: list[tuple[int, int]] = ()) -> SegmentSpec:
+        """A segment of ``n`` tokens after ``start`` cached ones, its whole page table new (pages taken from
+        those the forward has not taken yet)."""
+        need = -(-(start + n) // self.page)
+        if self._next_page + need > self.num_pages:
+            raise ValueError(f"warm-up forward past the pool's {self.num_pages} pages")
+        pages = list(range(self._next_page, self._next_page + need))
+        self._next_page += need
         ids = [(7 * (start + i) + 13 * slot + 1) % self.vocab for i in range(n)]
-        return SegmentSpec(rid=f"warm{slot}", slot=slot, start=start, token_ids=ids, pages=pages, page_base=base,
-                           sample=True, sampling=sampling, sample_index=int(n == 1 and start > 0))
+        return SegmentSpec(rid=f"warm{slot}", slot=slot, start=start, token_ids=ids, pages=pages, page_base=0,
+                           sample=True, sampling=sampling, sample_index=int(n == 1 and start > 0),
+                           exports=[list(e) for e in exports])
 
     def _run(self, *segments: SegmentSpec, **batch) -> None:
         self._batch_id -= 1  # negative ids: never a scheduler's
+        self._next_page = 0
         self.runner.execute(Batch(batch_id=self._batch_id, segments=list(segments), **batch))
 
     # -- steps ---------------------------------------------------------------------------------------
@@ -172,18 +233,36 @@ class WarmUp:
     def _prefill(self, n: int) -> None:
         self._run(self._segment(0, 0, n))
 
+    def _exports(self, n: int) -> None:
+        """A prompt chunk that exports its state inside (coalesced checkpoints: one, or two with a branch
+        point) and at its end."""
+        last = (n - 1) // 64 * 64
+        inside = sorted({64, last}) if n > 128 else [last]
+        dst = self.export_slots
+        exports = [(p, dst[i % len(dst)]) for i, p in enumerate(inside)] + [(n, dst[-1])]
+        self._run(self._segment(0, 0, n, exports=exports))
+
+    def _context(self, c: int) -> None:
+        """A decode row and prompt chunks after ``c`` cached tokens."""
+        self._run(self._segment(0, c, 1, HOST_SAMPLED))
+        for n in self.CHUNKS:
+            self._run(self._segment(0, c, n))
+
+    def _segments(self, rows: int) -> None:
+        """``rows`` decode rows beside a prompt chunk, in one forward."""
+        self._run(*[self._segment(slot, 16, 1, HOST_SAMPLED) for slot in range(1, rows + 1)],
+                  self._segment(0, 0, min(32, self.max_prefill - rows)))
+
+    def _burst(self, count: int) -> None:
+        """``count`` prompts in one forward, sharing the prefill budget."""
+        n = max(1, min(self.BURST, self.max_prefill // count, (self.num_pages // count - 1) * self.page))
+        self._run(*[self._segment(slot, 0, n) for slot in range(count)])
+
     def _continuation(self, _) -> None:
         """A prompt's second chunk, over the first one's cached context."""
         first = min(64, max(1, self.max_prefill // 2))
         self._run(self._segment(0, 0, first))
         self._run(self._segment(0, first, min(64, self.max_prefill - first) or 1))
-
-    def _mixed(self, _) -> None:
-        """One request prefilling while others decode, in one forward."""
-        rows = [1 + r for r in range(min(2, self.max_rows - 1))]
-        for slot in rows:
-            self._run(self._segment(slot, 0, 16))
-        self._run(*[self._segment(slot, 16, 1) for slot in rows], self._segment(0, 0, min(32, self.max_prefill)))
 
     def _layer_major(self, n: int) -> None:
         self._run(self._segment(0, 0, n), mode="layer_major", chunk_size=self.layer_major_chunk)
@@ -194,7 +273,7 @@ class WarmUp:
 
     def _decode(self, rows: int) -> None:
         """``rows`` decode rows, sampled on the host (an eager step, not a graph's)."""
-        slots = range(1, rows + 1)
+        slots = range(rows)
         self._run(*[self._segment(slot, 0, 1, HOST_SAMPLED) for slot in slots])
         self._run(*[self._segment(slot, 1, 1, HOST_SAMPLED) for slot in slots])
 

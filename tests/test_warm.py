@@ -14,7 +14,7 @@ import random
 import pytest
 
 from tidal import LLM
-from tidal.executor.warm import WarmUp, prefill_lengths
+from tidal.executor.warm import WarmUp, ladder, layer_kinds, only_layers
 from tidal.kernels.backend import next_pow2
 
 from .test_decode_graphs import PROMPTS, ids
@@ -27,13 +27,49 @@ def specialization(n: int) -> tuple[int, bool, bool]:
 
 
 @pytest.mark.parametrize("limit", [1, 2, 17, 64, 100, 8192, 8224, 8230])
-def test_prefill_lengths_meet_every_class_up_to_the_limit(limit):
-    lengths = prefill_lengths(limit)
+def test_ladder_meets_every_class_up_to_the_limit(limit):
+    lengths = ladder(limit)
     assert all(1 <= n <= limit for n in lengths) and len(lengths) == len(set(lengths))
     met = {specialization(n) for n in lengths}
     missing = [n for n in range(1, limit + 1) if specialization(n) not in met]
     assert not missing
     assert len(lengths) <= 3 * max(1, limit.bit_length()) + 3
+
+
+@pytest.mark.parametrize("preset, kinds", [("small", [0, 1, 2, 3, 5]), ("flash-next", [0, 1, 2, 3])])
+def test_one_layer_of_each_kind(preset, kinds):
+    """The first layer, then the first layer of each structure: a QSA layer, a GDN layer, each GDN layer with a
+    PLE table of its own size (its prime vocabularies differ); every other layer repeats one of these."""
+    import torch
+
+    from tidal.config.model import ModelConfig
+    from tidal.executor.models import Qwen4ExpForCausalLM
+    from tidal.executor.presets import preset_config
+    from tidal.executor.warm import layer_signature
+
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(ModelConfig.from_dict(preset_config(preset)))
+    layers = model.model.layers
+    assert layer_kinds(layers) == kinds
+    signatures = {layer_signature(layers[i]) for i in kinds}
+    assert all(layer_signature(layer) in signatures for layer in layers)
+
+
+def test_forwards_over_only_some_layers(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, max_prefill_length=64)
+    model = llm.runner.model
+    layers = model.model.layers
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, *_: ran.append(m.layer_idx)) for layer in layers]
+    with only_layers(model, [0, 2]):
+        assert llm.generate([ids(20, 1)], max_tokens=2, ignore_eos=True)
+    assert ran and set(ran) == {0, 2}
+    assert model.model.layers is layers
+    ran.clear()
+    llm.generate([ids(20, 1)], max_tokens=2, ignore_eos=True)
+    assert set(ran) == {0, 1, 2, 3}
+    for hook in hooks:
+        hook.remove()
 
 
 def test_graph_shapes_hold_every_step_shape(tiny_checkpoint):
@@ -63,9 +99,11 @@ def test_generation_after_the_warm_up_equals_a_cold_runner(tiny_checkpoint, alon
     llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=4)
     if graphs:
         llm.runner.use_graphs(4, 64, capture=False)
-    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 64, 4)
+    warm = WarmUp(llm.runner, llm.sizes, 64, 4)
     kinds = [what for what, _ in warm.steps()]
-    assert kinds.count("prefill") == len(prefill_lengths(68)) and kinds.count("decode") == len(prefill_lengths(3))
+    assert kinds.count("prefill") == len(ladder(68)) and kinds.count("decode") == len(ladder(4))
+    assert kinds.count("context") == len(ladder(warm.max_context)) - 1 and warm.max_context > 200
+    assert {"exports", "segments", "burst", "continuation", "sampling"} <= set(kinds)
     warm.run()
     assert llm.generate(PROMPTS + [ids(200, 9)], max_tokens=24, ignore_eos=True) == alone
     stats = llm.scheduler.stats()
@@ -76,8 +114,9 @@ def test_warm_up_fits_small_pools(tiny_checkpoint):
     """With few pages and slots, the warm-up shrinks its forwards to the pools instead of failing."""
     llm = LLM(tiny_checkpoint, max_prefill_length=512, max_running_requests=2, kv_pool_tokens=256,
               disable_prefix_cache=True)
-    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 512, 2)
-    assert warm.max_prefill <= llm.sizes.num_pages * llm.sizes.page_size // 2
+    warm = WarmUp(llm.runner, llm.sizes, 512, 2)
+    assert warm.max_prefill + warm.page <= llm.sizes.num_pages * llm.sizes.page_size
+    assert warm.max_context + 64 + warm.page <= llm.sizes.num_pages * llm.sizes.page_size
     warm.run()
     assert llm.generate([ids(40, 3)], max_tokens=8, ignore_eos=True) == LLM(
         tiny_checkpoint, max_prefill_length=512, max_running_requests=2, kv_pool_tokens=256,
@@ -96,7 +135,7 @@ def test_layer_major_warm_up_leaves_its_prefills_unchanged(tiny_checkpoint):
     prompts = [ids(300, 5), ids(20, 6)]
     want = LLM(tiny_checkpoint, **lm).generate(prompts, max_tokens=8, ignore_eos=True)
     llm = LLM(tiny_checkpoint, **lm)
-    warm = WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 64, 4, layer_major_chunk=64)
+    warm = WarmUp(llm.runner, llm.sizes, 64, 4, layer_major_chunk=64)
     assert ("layer_major", 161) in warm.steps()
     warm.run()
     assert llm.generate(prompts, max_tokens=8, ignore_eos=True) == want
@@ -110,7 +149,7 @@ from tidal.executor.warm import CompileCounter, WarmUp
 counter = CompileCounter()
 llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_prefill_length=512, max_running_requests=8)
 counter.graphs = llm.runner.graphs
-WarmUp(llm.runner, llm.sizes.request_slots, llm.sizes.num_pages, 512, 8).run()
+WarmUp(llm.runner, llm.sizes, 512, 8).run()
 counter.ready()
 before = [counter.compiles, counter.captures]
 gen = torch.Generator().manual_seed(0)
