@@ -9,8 +9,11 @@ streamed greedy token-id completions (``ignore_eos``; first text is the first SS
 just before the request; every prompt is new unless said, so nothing is cached):
 
 - ``start_to_ready_s``: from starting the server to ``/health`` 200;
-- ``first_after_ready``: the first request, a ``--burst-prompt``-token cold prompt with 8 output tokens, against
-  the same shape once warm (``first_over_warm``);
+- ``first_burst_after_ready``: the first thing the server gets, a burst of the largest ``--concurrency`` C prompts
+  of ``--burst-prompt`` tokens (``--burst-tokens`` each), its median first text against the next burst of the
+  same shape (``first_over_second``): what the first users after a start meet;
+- ``first_after_ready``: the first single request, a ``--burst-prompt``-token cold prompt with 8 output tokens,
+  against the same shape once warm (``first_over_warm``);
 - ``cold``: per ``--lengths`` length, a warm-up of that length, then a cold prompt's first text;
 - ``continuation``: the longest cold prompt plus 77 new tokens (its prefix cached) -> first text and cached
   tokens;
@@ -99,6 +102,15 @@ def serving(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=1800)
     out: dict = {"start_to_ready_s": time.monotonic() - t0}
     try:
+        c = max(ns.concurrency)
+        bursts = [burst_stats(asyncio.run(burst(srv.url, [prompts(ns.burst_prompt) for _ in range(c)],
+                                                ns.burst_tokens)), ns.burst_tokens) for _ in range(2)]
+        out["first_burst_after_ready"] = {"concurrency": c, "first_s": bursts[0]["first_text_p50_s"],
+                                          "second_s": bursts[1]["first_text_p50_s"],
+                                          "first_over_second": bursts[0]["first_text_p50_s"]
+                                          / bursts[1]["first_text_p50_s"]}
+        print(f"first burst of {c} after ready: first text p50 {bursts[0]['first_text_p50_s']:.3f} s, the next "
+              f"{bursts[1]['first_text_p50_s']:.3f} s", flush=True)
         first, _ = first_text(srv.url, prompts(ns.burst_prompt))
         first_text(srv.url, prompts(ns.burst_prompt))
         warm, _ = first_text(srv.url, prompts(ns.burst_prompt))
@@ -214,7 +226,8 @@ def main() -> None:
     step1 = forward["step_s"][1]
     ratios = {"cold_over_forward": {n: served["cold"][n] / (forward["prefill_s"][n] + step1) for n in ns.lengths},
               "continuation_over_forward": served["continuation"]["first_s"] / forward["continuation_s"],
-              "first_over_warm": served["first_after_ready"]["first_over_warm"], "bursts": {}}
+              "first_over_warm": served["first_after_ready"]["first_over_warm"],
+              "first_burst_over_second": served["first_burst_after_ready"]["first_over_second"], "bursts": {}}
     for c in ns.concurrency:
         b, step = served["bursts"][c], forward["step_s"][c]
         floor = forward["burst_prefill_s"][c] + ns.burst_tokens * step
@@ -225,8 +238,8 @@ def main() -> None:
               "ratios": ratios}
     with open(os.path.join(ns.out, "bench_serving.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nstart to ready {served['start_to_ready_s']:.1f} s; first request / warm "
-          f"{ratios['first_over_warm']:.2f}")
+    print(f"\nstart to ready {served['start_to_ready_s']:.1f} s; first burst / second "
+          f"{ratios['first_burst_over_second']:.2f}; first request / warm {ratios['first_over_warm']:.2f}")
     print("length   cold first text s   prefill s   ratio")
     for n in ns.lengths:
         print(f"{n:<8d} {served['cold'][n]:17.3f}   {forward['prefill_s'][n]:9.3f}   "

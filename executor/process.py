@@ -87,9 +87,11 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
         warm = WarmUp(runner, sizes, args.max_prefill_length or sizes.max_model_len, args.max_running_requests,
                       layer_major_chunk=layer_major_chunk(args))
         seconds = warm.run()
-        logger.info("rank %d warmed up in %.1f s: %d steps, %d kernels compiled or loaded (cache %s), %d decode "
-                    "graphs captured", rank, seconds, len(warm.steps()), compiles.compiles,
-                    args.compile_cache_dir(), compiles.captures)
+        logger.info("rank %d warmed up in %.1f s: %d steps over layers %s, %d kernels compiled or loaded in %.1f s "
+                    "(cache %s), %d decode graphs captured", rank, seconds, len(warm.steps()), warm.kinds,
+                    compiles.compiles, compiles.seconds, args.compile_cache_dir(), compiles.captures)
+        if compiles.by_kernel:
+            logger.info("rank %d: longest compiles: %s", rank, compiles.slowest())
     compiles.ready()
     control.send(Ready(role=f"executor-{rank}"))
     logger.info("rank %d ready on %s (%s%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,

@@ -112,6 +112,8 @@ class CompileCounter:
 
     def __init__(self) -> None:
         self.compiles = 0
+        self.seconds = 0.0  # spent compiling (or loading from the cache) in this process
+        self.by_kernel: dict[str, float] = {}  # those seconds by kernel (every specialization of it)
         self.graphs = None
         self.missed: list[str] = []  # what compiled after ready (the kernel and its specialization)
         self._at_ready: tuple[int, int] | None = None
@@ -120,6 +122,8 @@ class CompileCounter:
         except ImportError:  # no Triton: nothing compiles
             return
         previous = knobs.runtime.jit_cache_hook
+        previous_post = getattr(knobs.runtime, "jit_post_compile_hook", None)
+        began: list[float] = []
 
         def hook(*args, **kwargs):
             self.compiles += 1
@@ -127,13 +131,29 @@ class CompileCounter:
                 what = kwargs.get("repr", "a kernel")
                 self.missed.append(what)
                 logger.warning("compiling %s after ready", what)
+            began.append(time.perf_counter())
             return previous(*args, **kwargs) if previous is not None else False
 
+        def post(*args, **kwargs):
+            if began:
+                spent = time.perf_counter() - began.pop()
+                self.seconds += spent
+                fn = kwargs.get("fn")
+                name = getattr(fn, "name", "?")
+                self.by_kernel[name] = self.by_kernel.get(name, 0.0) + spent
+            return previous_post(*args, **kwargs) if previous_post is not None else None
+
         knobs.runtime.jit_cache_hook = hook
+        knobs.runtime.jit_post_compile_hook = post
 
     @property
     def captures(self) -> int:
         return self.graphs.captures if self.graphs is not None else 0
+
+    def slowest(self, n: int = 8) -> str:
+        """The kernels that took longest to compile, with their seconds."""
+        top = sorted(self.by_kernel.items(), key=lambda kv: -kv[1])[:n]
+        return ", ".join(f"{name} {sec:.1f} s" for name, sec in top)
 
     def ready(self) -> None:
         self._at_ready = (self.compiles, self.captures)

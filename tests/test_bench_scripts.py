@@ -271,6 +271,8 @@ def test_bench_serving_runs_on_cpu(tmp_path):
         assert served["bursts"][c]["all_tokens"] and forward["step_s"][c] > 0
         assert ratios["bursts"][c]["wall_over_forward"] > 0 and ratios["bursts"][c]["decode_over_forward"] > 0
     assert all(r > 0 for r in ratios["cold_over_forward"].values()) and ratios["first_over_warm"] > 0
+    first = served["first_burst_after_ready"]
+    assert first["concurrency"] == 4 and first["first_s"] > 0 and ratios["first_burst_over_second"] > 0
 
 
 def test_bench_vision_runs_on_cpu(tmp_path):
