@@ -41,7 +41,7 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=3600)
     out: dict = {"start_to_ready_s": time.monotonic() - t0}
     try:
-        warm = re.findall(r"warmed up in .*", srv.logs())
+        warm = re.findall(r"(?:warmed up in|longest compiles:) .*", srv.logs())
         out["warm_up_log"] = warm
         print(f"ready after {out['start_to_ready_s']:.1f} s; {warm[0] if warm else 'no warm-up line'}", flush=True)
         out["first_text_s"] = {}
