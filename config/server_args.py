@@ -166,8 +166,6 @@ class ServerArgs:
              f"must be >= 0, got {self.kv_reserve_tokens}")
         need(self.ple_backend in ("gpu", "pinned", "disk"), "ple_backend",
              f"must be gpu, pinned or disk, got {self.ple_backend!r}")
-        need(not (self.ple_backend == "disk" and self.load_format == "random"), "ple_backend",
-             "disk reads the table from the checkpoint's safetensors files; --load-format random has none")
         need(self.layer_major_slice >= 0, "layer_major_slice", f"must be >= 0, got {self.layer_major_slice}")
         need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
              f"must be >= 1, got {self.layer_major_max_tokens}")

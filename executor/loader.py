@@ -118,9 +118,6 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
     torch_dtype = resolve_dtype(dtype, config, str(device))
     model = empty_model(config, device, torch_dtype, moe_strategy, ple_backend)
     if load_format == "random":
-        if ple_backend == "disk":
-            raise ValueError("--ple-backend disk reads the table from the checkpoint's files; --load-format random "
-                             "has none")
         fill_random(model, config, seed, device)
     elif load_format == "safetensors":
         load_safetensors(model, config, path, skip_ple_tables=ple_backend == "disk")
@@ -139,11 +136,13 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
     CPU's values.
     """
     stored = DTYPES.get(config.torch_dtype, torch.bfloat16)
+    named = list(model.named_parameters())
     full_shapes = None
-    if tp().size > 1:  # every rank draws the full tensor and keeps its part: the same weights as one rank
+    # Every rank draws the full tensor and keeps its part (the same weights as one rank); a table left on disk is an
+    # empty placeholder here, drawn whole only for its FP8 scale.
+    if tp().size > 1 or any(n.endswith("ngram_embedding.weight") and not p.shape[0] for n, p in named):
         with single_rank(), torch.device("meta"):
             full_shapes = {n: tuple(p.shape) for n, p in Qwen4ExpForCausalLM(config).named_parameters()}
-    named = list(model.named_parameters())
     quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts) and m.fmt is not None]
     bar = progress(total=len(named) + 2 * len(quantized), desc="random weights", unit="tensor", show=tp().rank == 0)
     for name, param in named:
@@ -176,23 +175,26 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
 def _fill_random_table(model: Qwen4ExpForCausalLM, name: str, param: torch.Tensor, shape: tuple[int, ...],
                        config: ModelConfig, seed: int, device: str | torch.device, stored: torch.dtype) -> None:
     """An n-gram table's random values, drawn and stored a chunk of rows at a time; an FP8 table takes one scale,
-    ``amax / 448`` over the whole table, found in a first pass over the same chunks."""
+    ``amax / 448`` over the whole table, found in a first pass over the same chunks. A table left on disk (an empty
+    ``param``) stores nothing: its rows are drawn when gathered (``SeededTable``), with that scale."""
     def chunks():
         for start, rows in random_table_chunks(name, shape, config, seed, device):
             yield start, shard(name, rows.to(stored), config)
 
     if param.dtype != torch.float8_e4m3fn:
-        for start, rows in chunks():
+        for start, rows in chunks() if param.shape[0] else ():
             param.data[start:start + rows.shape[0]].copy_(rows)
         return
     amax = torch.zeros((), dtype=torch.float32, device=device)
     for _, rows in random_table_chunks(name, shape, config, seed, device):
         amax = torch.maximum(amax, rows.to(stored).float().abs().amax())
     _, scale = quantize_fp8_tensor(amax)
+    model.get_buffer(name + "_scale").copy_(scale)
+    if not param.shape[0]:
+        return
     for start, rows in chunks():
         param.data[start:start + rows.shape[0]].copy_((rows.float() / scale).clamp(-E4M3_MAX, E4M3_MAX)
                                                       .to(torch.float8_e4m3fn))
-    model.get_buffer(name + "_scale").copy_(scale)
 
 
 def store_experts(module: RoutedExperts, proj: str, full: QuantTensor, config: ModelConfig) -> None:

@@ -515,8 +515,8 @@ class ModelRunner:
 def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str | None = None) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device; with offload, the
     expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``."""
-    from .loader import load_model, resolve_dtype
-    from .offload.ple_table import DiskTable, PinnedTable, find_ple_shards
+    from .loader import DTYPES, load_model, resolve_dtype
+    from .offload.ple_table import DiskTable, PinnedTable, SeededTable, find_ple_shards
 
     device = device or args.resolved_device()
     dtype = resolve_dtype(args.dtype, config, device)
@@ -533,8 +533,14 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
                 module.table = PinnedTable(module.ngram_embedding.weight.data)
             elif args.ple_backend == "disk":  # whole rows on every rank
                 dim = module.dim_per_head
-                parts = find_ple_shards(model_path, table, dim)
                 rows = config.ngram_table_rows(config.ple_layers.index(int(name.split(".")[2])))
+                if args.load_format == "random":
+                    scale = module.get_buffer("ngram_embedding.weight_scale") if module.fp8 else None
+                    module.table = SeededTable(table, rows, dim, args.seed,
+                                               DTYPES.get(config.torch_dtype, torch.bfloat16),
+                                               module.ngram_embedding.weight.dtype, scale)
+                    continue
+                parts = find_ple_shards(model_path, table, dim)
                 if sum(p.rows for p in parts) != rows:
                     raise ValueError(f"the shards of {table} hold {sum(p.rows for p in parts)} rows, expected {rows}")
                 module.table = DiskTable(parts, dim, dtype)

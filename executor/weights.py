@@ -47,33 +47,60 @@ def _stable_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-# An n-gram table is drawn in chunks of this many rows, each from its own seed, so that a table of billions of
-# values (the real geometry's: 320 M rows) is never whole in fp32 on the device.
+# An n-gram table is drawn in chunks of at most this many rows and values, so that a table of billions of values
+# (the real geometry's: 320 M rows) is never whole on the device, nor a chunk's 64-bit temporaries large.
 TABLE_CHUNK_ROWS = 1 << 20
+TABLE_CHUNK_VALUES = 1 << 26
+
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def table_rows(name: str, rows: torch.Tensor, dim: int, seed: int) -> torch.Tensor:
+    """Seeded standard-normal fp32 values of rows ``rows`` (long, any shape) of n-gram table ``name``: ``[*rows.shape,
+    dim]`` on ``rows.device``. Each value is a function of the seed, the table's name, its row and its column alone
+    (splitmix64 of its index, its top 24 bits through the inverse normal CDF), so any rows can be drawn in any order
+    and on any device: a table is filled a chunk at a time, or read row by row where it is never stored
+    (``--ple-backend disk`` with random weights)."""
+    x = rows.to(torch.long)[..., None] * dim + torch.arange(dim, device=rows.device)
+    x.mul_(_GOLDEN).add_(_stable_seed(seed, name))
+    x.bitwise_xor_(_shr(x, 30)).mul_(_MIX1)
+    x.bitwise_xor_(_shr(x, 27)).mul_(_MIX2)
+    x.bitwise_xor_(_shr(x, 31))
+    # 2u - 1 for u = (k + 0.5) / 2^24, k the top 24 bits: in (-1, 1), never at either end.
+    centred = _shr(x, 40).to(torch.float64).mul_(2.0 ** -23).add_(2.0 ** -24 - 1)
+    return centred.erfinv_().mul_(math.sqrt(2)).to(torch.float32)
 
 
 def random_table_chunks(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
                         device: torch.device | str = "cpu"):
-    """Yield ``(first_row, rows)`` of n-gram table ``name``'s seeded fp32 values, ``TABLE_CHUNK_ROWS`` at a time;
-    their concatenation is ``random_tensor(name, shape, ...)``."""
-    for start in range(0, shape[0], TABLE_CHUNK_ROWS):
-        rows = (min(TABLE_CHUNK_ROWS, shape[0] - start), *shape[1:])
-        yield start, random_tensor(name, rows, config, seed, device, stream=f"{name}@{start}" if start else name)
+    """Yield ``(first_row, rows)`` of n-gram table ``name``'s seeded fp32 values (:func:`table_rows`),
+    ``TABLE_CHUNK_ROWS`` at a time; their concatenation is ``random_tensor(name, shape, ...)``."""
+    step = max(1, min(TABLE_CHUNK_ROWS, TABLE_CHUNK_VALUES // shape[1]))
+    for start in range(0, shape[0], step):
+        stop = min(shape[0], start + step)
+        yield start, table_rows(name, torch.arange(start, stop, device=device), shape[1], seed)
 
 
 def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
-                  device: torch.device | str = "cpu", stream: str | None = None) -> torch.Tensor:
-    """A seeded random fp32 value for parameter ``name``, independent of creation order (``stream``: the name the
-    seed is taken from, by default ``name``).
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """A seeded random fp32 value for parameter ``name``, independent of creation order (n-gram tables: see
+    :func:`table_rows`).
 
     Scales keep activations O(1) through every path; nothing is left at a value that would make
     a path a no-op (norm offsets, PLE conv and gates are all non-zero), unlike the reference's
     training init which zeroes the PLE conv and every ``1 + weight`` norm offset.
     """
-    if stream is None and name.endswith("ngram_embedding.weight") and shape[0] > TABLE_CHUNK_ROWS:
+    if name.endswith("ngram_embedding.weight"):
         return torch.cat([rows for _, rows in random_table_chunks(name, shape, config, seed, device)])
     gen = torch.Generator(device=device)
-    gen.manual_seed(_stable_seed(seed, stream or name))
+    gen.manual_seed(_stable_seed(seed, name))
 
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std + mean
@@ -94,7 +121,7 @@ def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: 
         return normal(0.1, 1.0)
     if "norm" in leaf[-2] and name.endswith(".weight"):  # every (1 + w) RMSNorm
         return normal(0.1)
-    if name.endswith("embed_tokens.weight") or name.endswith("ngram_embedding.weight"):
+    if name.endswith("embed_tokens.weight"):
         return normal(1.0)
     if name.endswith("lm_head.weight"):
         return normal(2.0 / math.sqrt(shape[-1]))

@@ -304,11 +304,6 @@ def test_layer_major_on_cuda_gives_the_chunked_ids(tiny_checkpoint):
     assert layer_major.runner.expert_store.stats()["expert_layer_streams"][0] == 3
 
 
-def test_disk_ple_needs_checkpoint_files():
-    with pytest.raises(ValueError, match="--ple-backend"):
-        ServerArgs(ple_backend="disk", load_format="random")
-
-
 # ---- served: abort during a layer-major prefill ---------------------------------------------------
 def test_abort_during_layer_major_prefill_leaks_nothing(tiny_checkpoint):
     srv = Server(tiny_checkpoint, "--moe-strategy", "offload", "--moe-cache-slots", "4", "--prefill-layer-major",

@@ -181,3 +181,34 @@ def test_composite_multi_file_checkpoint_with_index(tiny_checkpoint, tmp_path):
     assert len({p.file for p in parts}) == 2
     ids = _ids(full.shape[0], parts, (50, 4), 11)
     assert torch.equal(DiskTable(parts, full.shape[1], torch.bfloat16).gather(ids), full[ids])
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_random_tables_drawn_when_gathered_equal_the_stored_ones(tmp_path, quantization):
+    """``--load-format random --ple-backend disk``: no table is stored anywhere, each gathered row is drawn from the
+    seed, with the values (an FP8 table: the codes and the one scale) that ``gpu`` and ``pinned`` store, so the
+    three generate the same ids."""
+    from tidal import LLM
+    from tidal.executor.offload.ple_table import SeededTable
+    from tidal.executor.presets import write_checkpoint
+
+    base = write_checkpoint("tiny", str(tmp_path), seed=3, weights=False)
+    kw = dict(load_format="random", quantization=quantization, seed=3, max_prefill_length=64)
+    llms = {backend: LLM(base, ple_backend=backend, **kw) for backend in ("gpu", "pinned", "disk")}
+    prompts = [list(range(100, 190)), [5, 6, 7]]
+    want = llms["gpu"].generate(prompts, max_tokens=8, ignore_eos=True)
+    for backend in ("pinned", "disk"):
+        assert llms[backend].generate(prompts, max_tokens=8, ignore_eos=True) == want, backend
+    gen = torch.Generator().manual_seed(0)
+    for layer in PLE_MODULES:
+        stored = llms["gpu"].runner.model.model.layers[layer].ple.ple_embedding
+        drawn = llms["disk"].runner.model.model.layers[layer].ple.ple_embedding
+        assert isinstance(drawn.table, SeededTable) and drawn.ngram_embedding.weight.numel() == 0
+        full = stored.ngram_embedding.weight
+        assert drawn.table.rows == full.shape[0] and drawn.table.dtype == full.dtype
+        rows = torch.randint(0, full.shape[0], (40, 3), generator=gen)
+        rows[0, 0], rows[0, 1] = 0, full.shape[0] - 1
+        got = drawn.table.gather(rows)
+        assert got.dtype == full.dtype and torch.equal(got.float(), full[rows].float()), layer
+        if quantization:
+            assert torch.equal(drawn.ngram_embedding.weight_scale, stored.ngram_embedding.weight_scale)

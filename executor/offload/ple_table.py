@@ -6,7 +6,10 @@ checkpoint (``disk``) are the normal case and device residence (``gpu``) is for 
 only touches ``T * heads`` rows of a table, a few MB even for long prefill chunks, so gathering those
 rows where the table lives and copying just them to the device costs little next to the layer's compute.
 
-All three backends share :class:`PLETable`: ``gather(ids)`` takes long row ids ``[..., heads]`` on the
+With random weights (``--load-format random``) there is no checkpoint to read: ``disk`` then computes each gathered
+row from the seed (:class:`SeededTable`), so a table of any size costs neither memory nor disk.
+
+All backends share :class:`PLETable`: ``gather(ids)`` takes long row ids ``[..., heads]`` on the
 model's device and returns ``[..., heads, dim]`` rows on that device, in the table's dtype.
 
 ``disk`` maps each ``...ngram_embedding.shard_N.weight`` tensor of the checkpoint's safetensors files
@@ -28,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..weights import PLE_SHARD_KEY, canonical_name
+from ...kernels.quant import E4M3_MAX
+from ..weights import PLE_SHARD_KEY, canonical_name, table_rows
 
 # safetensors dtype -> (numpy dtype the bytes are mapped as, torch dtype they are viewed as). numpy has no
 # bfloat16, so 16-bit floats are mapped as int16 and reinterpreted by torch (a view, no conversion).
@@ -382,3 +386,23 @@ class DiskTable(PLETable):
             host = self._staging.take(inverse.numel())
             torch.index_select(values, 0, inverse, out=host)
             return self._staging.send(host, ids.device).view(self._out_shape(ids))
+
+
+class SeededTable(PLETable):
+    """``--ple-backend disk`` with random weights: each gathered row computed on the ids' device from the seed
+    (:func:`~tidal.executor.weights.table_rows`) and rounded through the checkpoint's dtype ``stored``, as a random
+    table is filled: the values ``gpu`` and ``pinned`` hold for the same seed. ``dtype`` is the table's (``stored``,
+    or FP8 with its one ``scale``)."""
+
+    def __init__(self, name: str, rows: int, dim: int, seed: int, stored: torch.dtype, dtype: torch.dtype,
+                 scale: torch.Tensor | None = None):
+        if dtype == torch.float8_e4m3fn and scale is None:
+            raise ValueError(f"the FP8 table {name} needs its scale")
+        self.name, self.rows, self.dim, self.seed = name, rows, dim, seed
+        self.stored, self.dtype, self.scale = stored, dtype, scale
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        values = table_rows(self.name, ids, self.dim, self.seed).to(self.stored)
+        if self.dtype != torch.float8_e4m3fn:
+            return values.to(self.dtype)
+        return (values.float() / self.scale.to(ids.device)).clamp(-E4M3_MAX, E4M3_MAX).to(self.dtype)
