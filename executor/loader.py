@@ -17,6 +17,7 @@ from ..kernels.quant import E4M3_MAX, quantize_fp8_tensor
 from .distributed import single_rank, split, tp
 from .distributed.shard import LazySlice, shard, shard_expert_part
 from .layers.moe import RoutedExperts
+from .memory.pinned import host_empty
 from .models import Qwen4ExpForCausalLM
 from .progress import progress
 from .quant import QuantTensor, quantize_experts, stacked_block_rows
@@ -71,8 +72,8 @@ def stored_dtype(name: str, config: ModelConfig, dtype: torch.dtype) -> torch.dt
 def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, moe_strategy: str = "resident",
                 ple_backend: str = "gpu") -> Qwen4ExpForCausalLM:
     """The module tree with uninitialised parameters on ``device`` (host-resident ones in host memory,
-    pinned when the device is a GPU; a ``disk`` PLE table as an empty placeholder); integer buffers
-    are filled."""
+    page-locked to their exact size when the device is a GPU; a ``disk`` PLE table as an empty placeholder);
+    integer buffers are filled."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
     pin = torch.device(device).type == "cuda"
@@ -83,7 +84,7 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
             if ple_backend == "disk" and full.endswith("ngram_embedding.weight"):
                 tensor = torch.empty((0, param.shape[1]), dtype=kept, device="cpu")
             elif host_resident(full, moe_strategy, ple_backend):
-                tensor = torch.empty(param.shape, dtype=kept, device="cpu", pin_memory=pin)
+                tensor = host_empty(param.shape, kept, pinned=pin)
             else:
                 tensor = torch.empty(param.shape, dtype=kept, device=device)
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
@@ -101,9 +102,10 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
         if isinstance(module, RoutedExperts) and module.fmt is not None:
             for name in module.storage():
                 buf = getattr(module, name)
-                host = host_resident(f"{prefix}.{name}", moe_strategy, ple_backend)
-                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu" if host else device,
-                                                    pin_memory=pin and host)
+                if host_resident(f"{prefix}.{name}", moe_strategy, ple_backend):
+                    module._buffers[name] = host_empty(buf.shape, buf.dtype, pinned=pin)
+                else:
+                    module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
             for proj, (parts, _) in module.layout().items():
                 if f"{proj}_block_rows" in module._buffers:
                     module._buffers[f"{proj}_block_rows"] = stacked_block_rows(parts).to(device)
