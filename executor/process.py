@@ -79,6 +79,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
             torch.cuda.set_device(device)
         init_tp(rank, args.tp, args.dist_init_addr, "nccl" if device.startswith("cuda") else "gloo")
         check_agreement(args, config, rank)
+    check("executor.load.hang")
     use_compile_cache(args.compile_cache_dir(), explicit=args.compile_cache is not None)
     compiles = CompileCounter()
     runner = build_runner(args, config, sizes, model_path, device=device)

@@ -8,6 +8,7 @@ the executor reaches ``executor.error`` and the 3rd time the scheduler reaches `
   does the same on rank ``R`` only;
 - ``executor.fatal``: a batch fails and the device counts as unusable (as after a sticky CUDA error);
 - ``executor.hang``: a batch never finishes (the executor sleeps);
+- ``executor.load.hang``: the executor never finishes loading (it sleeps before reading its weights);
 - ``scheduler.result``: the scheduler's handling of a batch result raises.
 
 ``TIDAL_SCRIPTED_OUTPUT="151657,4913,..."`` makes every sampled request emit those token ids, one

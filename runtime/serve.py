@@ -29,7 +29,7 @@ import zmq
 from ..config.server_args import ArgsError, ServerArgs
 from .demo import checkpoint_path
 from .ipc import set_process_name, setup_logging
-from .supervisor import Supervisor, mesh_members
+from .supervisor import Supervisor, exit_reason, mesh_members
 
 logger = logging.getLogger(__name__)
 Role = tuple[str, int | None]
@@ -122,6 +122,23 @@ class Mesh:
         """This host's processes that exited, with their exit codes."""
         return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
 
+    def inspect(self, name: str) -> str:
+        """What this host sees of process ``name`` that still runs: its state and resident memory, and the host's
+        available memory."""
+        proc = self.procs.get(name)
+        if proc is None:
+            return ""
+        status = {}
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            return ""
+        state = status.get("State", "?").strip()
+        rss = int(status.get("VmRSS", "0 kB").split()[0]) * 1024
+        return (f"pid {proc.pid} is alive ({state}, {rss / GiB:.1f} GiB resident) but silent; "
+                f"{host_memory_text()}")
+
     def stop(self, timeout: float = 10.0, keep: frozenset[str] = frozenset()) -> None:
         procs = [p for n, p in self.procs.items() if n not in keep]
         for p in procs:
@@ -165,6 +182,35 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+GiB = 1 << 30
+
+
+def host_memory_text() -> str:
+    from ..executor.memory.fit import host_memory
+
+    total, available = host_memory("MemTotal"), host_memory("MemAvailable")
+    if total is None or available is None:
+        return "the host's memory is unknown"
+    return f"the host has {available / GiB:.1f} GiB available of {total / GiB:.1f} GiB"
+
+
+def load_plan_explainer(plan: dict[str, int], device: str, host_at_start: str):
+    """``explain`` for :meth:`Supervisor.watch`: an executor that died while starting (loading its weights) gets
+    the memory its load plan needed, what the host had then and has now; a SIGKILL the usual sender of it."""
+    def explain(name: str, code: int, starting: bool) -> str:
+        if not name.startswith("executor") or not starting:
+            return ""
+        text = (f"its load plan needed {plan['weights_host'] / GiB:.1f} GiB of host memory locked for "
+                f"host-resident weights and {(plan['weights_device'] + plan['kv'] + plan['state']) / GiB:.1f} GiB on "
+                f"{device} (weights, KV pool, state slots); at start {host_at_start}, now {host_memory_text()}")
+        if code == -signal.SIGKILL:
+            text += ("; the kernel's out-of-memory killer sends SIGKILL when the host runs out of memory (fewer "
+                     "host-resident weights: --ple-backend disk, a smaller --quantization, more --nnodes)")
+        return text
+
+    return explain
+
+
 def watch_executors(mesh: Mesh, stopping: dict) -> int:
     """A host other than host 0 runs executors only (host 0 supervises them): until one exits (1) or a
     signal arrives (0)."""
@@ -172,7 +218,7 @@ def watch_executors(mesh: Mesh, stopping: dict) -> int:
     while stopping["signal"] is None:
         exited = mesh.exited()
         if exited:
-            logger.error("%s exited (code %s); shutting down", *exited[0])
+            logger.error("%s %s; shutting down", exited[0][0], exit_reason(exited[0][1]))
             return 1
         time.sleep(0.2)
     return 0
@@ -201,7 +247,7 @@ def serve(args: ServerArgs) -> int:
     mesh = Mesh(args, model_path)
     mesh.prestart()
     try:
-        check_fits(args, config, args.resolved_device())
+        plan = check_fits(args, config, args.resolved_device())
     except ArgsError as e:
         mesh.cancel()
         logger.error("%s", e)
@@ -227,12 +273,13 @@ def serve(args: ServerArgs) -> int:
             supervisor.signals += 1
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    explain = load_plan_explainer(plan, args.resolved_device(), host_memory_text())
     try:
         mesh.start()
         if supervisor is None:
             return watch_executors(mesh, stopping)
         while True:
-            outcome = supervisor.watch(mesh.exited)
+            outcome = supervisor.watch(mesh.exited, explain, mesh.inspect)
             if not outcome.failed:
                 if stopping["signal"] is not None:
                     logger.info("received %s", signal.Signals(stopping["signal"]).name)

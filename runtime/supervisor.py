@@ -35,6 +35,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -68,6 +69,17 @@ SHUTTING_DOWN = "shutting down"
 
 def heartbeat_interval(timeout: float) -> float:
     return min(1.0, timeout / 4)
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, from its exit status (negative: the signal that ended it)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "a signal"
+        return f"was killed by {name} (signal {-code})"
+    return f"exited with code {code}"
 
 
 def mesh_members(args: ServerArgs) -> list[str]:
@@ -347,10 +359,22 @@ class Supervisor:
         self.stop_reason = None
         self.waiting_since = time.monotonic()
 
+    def exited_reason(self, name: str, code: int, explain: Callable[[str, int, bool], str] | None) -> str:
+        """Why the mesh fails when process ``name`` exited with ``code``: how it ended and whether it had become
+        ready, with what ``explain`` adds (the load plan's memory for an executor killed while it loaded)."""
+        m = self.members.get(name)
+        starting = m is None or m.state == "starting"
+        reason = f"{name} {exit_reason(code)}" + (" while starting" if starting else "")
+        extra = explain(name, code, starting) if explain is not None else ""
+        return f"{reason}{': ' + extra if extra else ''}"
+
     # -- the watch
-    def watch(self, exited: Callable[[], list[tuple[str, int]]] = list) -> Outcome:
+    def watch(self, exited: Callable[[], list[tuple[str, int]]] = list,
+              explain: Callable[[str, int, bool], str] | None = None,
+              inspect: Callable[[str], str] | None = None) -> Outcome:
         """Until the mesh fails or is to stop; ``exited`` lists the host's processes that exited (with their
-        codes) where the host owns them."""
+        codes) where the host owns them; ``explain(name, code, starting)`` adds to the reason a process exited,
+        ``inspect(name)`` to the reason a process that still runs sent no heartbeat (what the host sees of it)."""
         args = self.args
         poller = zmq.Poller()
         poller.register(self.control.sock, zmq.POLLIN)
@@ -368,12 +392,17 @@ class Supervisor:
                 return Outcome(False, self.stop_reason)
             gone = exited()
             if gone:
-                return Outcome(True, "{} exited (code {})".format(*gone[0]))
+                return Outcome(True, self.exited_reason(*gone[0], explain))
             now = time.monotonic()
             for name, m in self.members.items():
                 if m.state not in ("leaving", "failed") and now - m.last_seen > args.heartbeat_timeout:
+                    gone = dict(exited())
+                    if name in gone:
+                        return Outcome(True, self.exited_reason(name, gone[name], explain))
+                    seen = inspect(name) if inspect is not None else ""
                     return Outcome(True, f"{name}: no heartbeat for {args.heartbeat_timeout:g} s "
-                                         "(--heartbeat-timeout): the process died or cannot reach the supervisor")
+                                         "(--heartbeat-timeout): " + (seen or "the process died or cannot reach "
+                                                                              "the supervisor"))
             ready = all(name in self.members and self.members[name].state == "ready" for name in self.expected)
             if ready and not self.serving:
                 self.serving = True

@@ -147,7 +147,9 @@ def test_killed_process_fails_requests_and_mesh_restarts(tiny_checkpoint, victim
         thread.join(15)
         assert not thread.is_alive()
         assert_stream_failed(result)
-        assert victim.split("-")[0] in json.dumps(result)  # the error names what died
+        # The error names what died and how.
+        assert victim.split("-")[0] in json.dumps(result) and "SIGKILL (signal 9)" in json.dumps(result)
+        assert f"{victim} was killed by SIGKILL (signal 9)" in srv.logs()
         srv.wait_ready(60)  # /health 200 again once the mesh is back
         ok_completion(srv)
         idle = srv.wait_idle()
@@ -157,6 +159,37 @@ def test_killed_process_fails_requests_and_mesh_restarts(tiny_checkpoint, victim
     finally:
         assert srv.stop() == []
     assert srv.proc.returncode == 0
+
+
+def test_executor_killed_while_loading_names_the_signal_and_its_memory(tiny_checkpoint, tmp_path):
+    """A SIGKILL before ready (what the kernel's out-of-memory killer does to an executor whose weights outgrow
+    the host): ``tidal serve`` exits 1 and says which process, which signal, and the memory its load plan needed."""
+    import subprocess
+    import sys
+
+    from server_harness import free_port
+
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--model", tiny_checkpoint, "--port",
+                             str(free_port())], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "TIDAL_FAULTS": "executor.load.hang"})
+    try:
+        deadline = time.monotonic() + 60
+        executor = []
+        while not executor and time.monotonic() < deadline:
+            executor = [p for p in child_pids(proc.pid) if cmdline(p) == "tidal-executor-0"]
+            time.sleep(0.2)
+        assert executor, "no executor started"
+        time.sleep(2)  # it has its arguments and hangs where it would load
+        os.kill(executor[0], signal.SIGKILL)
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    assert "executor-0 was killed by SIGKILL (signal 9) while starting: its load plan needed" in text, text[-3000:]
+    assert "GiB of host memory" in text and "out-of-memory killer" in text and "the host has" in text
 
 
 def test_killed_process_without_restart_exits_nonzero(tiny_checkpoint):

@@ -43,21 +43,33 @@ def memory_plan(args: ServerArgs, config: ModelConfig, device: str) -> dict[str,
             "kv": kv // args.tp, "state": state // args.tp}
 
 
-def host_memory_total() -> int | None:
+# Host memory the processes of a mesh take besides the locked weights: per executor rank (torch, the CUDA context,
+# staging of the tensors being loaded) and once for the frontend, scheduler, detokenizer and tokenizer workers.
+HOST_PER_RANK = 3 * GiB
+HOST_MESH = 2 * GiB
+
+
+def host_memory(field: str = "MemTotal") -> int | None:
+    """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), or None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
-def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
+def host_memory_total() -> int | None:
+    return host_memory("MemTotal")
+
+
+def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> dict[str, int]:
     """Raise ``ArgsError`` naming the flag when the pools cannot hold one request, or when one host's
-    ranks need more memory than the device has (on the CPU: more than the host's total memory).
-    Host-resident weights of a GPU rank are not checked: some hosts grow their memory on demand."""
+    ranks need more memory than the device has (on the CPU: more than the host's total memory), or their
+    host-resident weights (locked in host memory) and processes more than the host has. Returns the plan
+    (:func:`memory_plan`)."""
     cuda = device.startswith("cuda")
     if cuda:
         if not torch.cuda.is_available():
@@ -72,7 +84,7 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
         have, where = host_memory_total(), "the host has"
         ranks = args.tp // args.nnodes  # every rank of this host shares its memory
         if have is None:
-            return
+            return memory_plan(args, config, device)
     plan = memory_plan(args, config, device)
     weights = (plan["weights_device"] + (0 if cuda else plan["weights_host"])) * ranks
     kv, state = plan["kv"] * ranks, plan["state"] * ranks
@@ -85,13 +97,18 @@ def check_fits(args: ServerArgs, config: ModelConfig, device: str) -> None:
                         "offload)")
     host = host_memory_total() if cuda else None
     host_ranks = args.tp // args.nnodes
-    if host is not None and plan["weights_host"] * host_ranks > host:
-        # Offloaded experts and a pinned n-gram table are locked pages: they cannot exceed the host's memory.
-        need = plan["weights_host"] * host_ranks
-        raise ArgsError(f"--moe-strategy: the host-resident weights need {need / GiB:.1f} GiB in {fmt}; the host "
-                        f"has {host / GiB:.1f} GiB ({quantize}--ple-backend disk, or more --nnodes)")
+    locked = plan["weights_host"] * host_ranks
+    processes = HOST_MESH + HOST_PER_RANK * host_ranks
+    if host is not None and locked and locked + processes > host:
+        # Offloaded experts and a pinned n-gram table are locked pages: with the processes beside them they
+        # cannot exceed the host's memory (or the kernel's out-of-memory killer ends an executor as it loads).
+        disk = "" if args.ple_backend == "disk" else "--ple-backend disk, "
+        raise ArgsError(f"--moe-strategy: the host-resident weights need {locked / GiB:.1f} GiB in {fmt}, locked, "
+                        f"and the processes about {processes / GiB:.0f} GiB more; the host has {host / GiB:.1f} GiB "
+                        f"({quantize}{disk}or more --nnodes)")
     if weights + kv + state > have:
         flag = "--kv-pool-tokens" if kv >= state else "--state-slots"
         raise ArgsError(f"{flag}: weights ({weights / GiB:.1f} GiB), KV pool ({kv / GiB:.1f} GiB) and state "
                         f"slots ({state / GiB:.1f} GiB) need {(weights + kv + state) / GiB:.1f} GiB; {where} "
                         f"{have / GiB:.1f} GiB (lower --kv-pool-tokens, --state-slots or --max-model-len)")
+    return plan
