@@ -9,9 +9,11 @@ the limit, one less and one more, the limit and its largest multiple of 16), one
 * tokens: prefill forwards of every ladder length up to the prefill budget plus a decode row per running
   request, each also with state exports inside and at the end (prefix-cache checkpoints);
 * context: a decode row and two prompt chunks after each ladder length of cached context, up to the
-  longest context the pool holds (attention and QSA block choice size their tiles by it);
+  longest context the pool holds (attention and QSA block choice size their tiles by it), over the attention
+  layers;
 * segments: forwards of many requests: decode rows beside a prompt chunk, and many prompts at once (a burst);
-* eager decode steps of every ladder count of rows, each sampling path (greedy, filtered random,
+* eager decode steps of every count of rows (the ladder's over every layer kind; the others, which only the key
+  splits of decode attention depend on, over the attention layers), each sampling path (greedy, filtered random,
   log-probabilities), a continuation, a layer-major prefill when the server runs those;
 * with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`).
 
@@ -193,7 +195,9 @@ class WarmUp:
         self.layer_major_chunk = layer_major_chunk
         self.layer_major = min(2 * layer_major_chunk + layer_major_chunk // 2 + 1, tokens - self.page)
         self.vocab = runner.config.vocab_size
-        self.kinds = layer_kinds(runner.model.model.layers)
+        layers = runner.model.model.layers
+        self.kinds = layer_kinds(layers)
+        self.attention_kinds = [i for i in self.kinds if not layers[i].is_linear] or self.kinds
         self._batch_id = 0
         self._next_page = 0
 
@@ -206,6 +210,7 @@ class WarmUp:
         out += [("segments", r) for r in ladder(self.max_rows - 1)] if self.max_rows > 1 else []
         out += [("burst", r) for r in ladder(self.max_rows) if r > 1]
         out += [("decode", rows) for rows in ladder(self.max_rows)]
+        out += [("decode", rows) for rows in range(1, self.max_rows + 1) if rows not in ladder(self.max_rows)]
         out += [("continuation", None), ("sampling", None)]
         if self.layer_major_chunk:
             out.append(("layer_major", self.layer_major))
@@ -222,10 +227,18 @@ class WarmUp:
             if what == "graph":  # a captured step replays the whole model
                 getattr(self, f"_{what}")(arg)
                 continue
-            with only_layers(model, self.kinds):
+            with only_layers(model, self.layers_for(what, arg)):
                 getattr(self, f"_{what}")(arg)
         self.runner.synchronize()
         return time.perf_counter() - t0
+
+    def layers_for(self, what: str, arg) -> list[int]:
+        """The layers a step runs through: one of each kind, or only the attention kinds for what only attention
+        depends on (a cached context's length; a decode batch's row count off the ladder, which sizes the key
+        splits of its decode attention)."""
+        if what == "context" or (what == "decode" and arg not in ladder(self.max_rows)):
+            return self.attention_kinds
+        return self.kinds
 
     # -- segments ------------------------------------------------------------------------------------
 

@@ -101,13 +101,26 @@ def test_generation_after_the_warm_up_equals_a_cold_runner(tiny_checkpoint, alon
         llm.runner.use_graphs(4, 64, capture=False)
     warm = WarmUp(llm.runner, llm.sizes, 64, 4)
     kinds = [what for what, _ in warm.steps()]
-    assert kinds.count("prefill") == len(ladder(68)) and kinds.count("decode") == len(ladder(4))
+    assert kinds.count("prefill") == len(ladder(68)) and [r for w, r in warm.steps() if w == "decode"] == [
+        1, 2, 3, 4]
     assert kinds.count("context") == len(ladder(warm.max_context)) - 1 and warm.max_context > 200
     assert {"exports", "segments", "burst", "continuation", "sampling"} <= set(kinds)
     warm.run()
     assert llm.generate(PROMPTS + [ids(200, 9)], max_tokens=24, ignore_eos=True) == alone
     stats = llm.scheduler.stats()
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+def test_every_decode_row_count_and_context_meets_the_attention_layers(tiny_checkpoint):
+    """Decode attention splits its keys by the row count itself (not its class): every count from 1 to the running
+    requests gets a decode step, those off the ladder over the attention layers alone, as do the contexts."""
+    llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=8)
+    warm = WarmUp(llm.runner, llm.sizes, 64, 8)
+    decodes = [r for what, r in warm.steps() if what == "decode"]
+    assert sorted(decodes) == list(range(1, 9))
+    assert warm.kinds == [0, 1, 2, 3] and warm.attention_kinds == [2]
+    assert warm.layers_for("decode", 6) == [2] and warm.layers_for("decode", 8) == warm.kinds
+    assert warm.layers_for("context", 1000) == [2] and warm.layers_for("prefill", 1000) == warm.kinds
 
 
 def test_warm_up_fits_small_pools(tiny_checkpoint):
