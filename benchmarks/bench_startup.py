@@ -2,16 +2,18 @@
 
     python benchmarks/bench_startup.py --out DIR [--preset flash-next] [--starts 2]
                                        [--lengths 16,512,4000,16000] [--burst 32] [--burst-prompt 256]
+                                       [--burst-tokens 16]
                                        [--device cuda] [-- extra tidal serve flags]
 
 Starts ``tidal serve --load-format random`` (plus the flags after ``--``) ``--starts`` times over one compile
 cache that begins empty (``--compile-cache`` in a new temporary folder), so the first start compiles every
-kernel and the later ones load what it left. After each start: one streamed prompt of each ``--lengths`` length
-(new ids, nothing cached, 4 output tokens), then ``--burst`` prompts of ``--burst-prompt`` tokens at once (16
-output tokens each), then ``/metrics``' ``tidal_compilations_after_ready_total`` and
+kernel and the later ones load what it left. After each start: first two bursts of ``--burst`` prompts of
+``--burst-prompt`` tokens (``--burst-tokens`` each, new ids, nothing cached), the first the very first requests
+the server gets (its median first text over the second's: ``first_burst_over_second``); then one streamed prompt
+of each ``--lengths`` length (4 output tokens); then ``/metrics``' ``tidal_compilations_after_ready_total`` and
 ``tidal_graph_captures_after_ready_total``, both 0 when the warm-up met every kernel variant and graph shape.
-Per start it records the seconds from launch to ``/health`` 200, the warm-up's own log line, each prompt's
-first-text latency and the burst's median.
+Per start it records the seconds from launch to ``/health`` 200 and the warm-up's log lines (its time, and the
+kernels that took longest to compile).
 Writes ``DIR/bench_startup.json`` after every start.
 """
 
@@ -25,13 +27,48 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 from tidal.bench.server import Server
 from tidal.executor.presets import write_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import Prompts, burst  # noqa: E402
+
+
+class HealthProbe:
+    """``/health`` requested every 10 ms from a thread of its own while the block runs; :meth:`summary` gives the
+    probes' count, p50, p99 and max seconds."""
+
+    def __init__(self, url: str):
+        self.url, self.seconds = url, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                r.read()
+            self.seconds.append(time.monotonic() - t0)
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join(15)
+
+    def summary(self) -> dict:
+        s = sorted(self.seconds)
+        if not s:
+            return {"probes": 0}
+        return {"probes": len(s), "p50": s[len(s) // 2], "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "max": s[-1]}
+
 
 COUNTERS = ("tidal_compilations_after_ready_total", "tidal_graph_captures_after_ready_total")
 
@@ -44,20 +81,26 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
         warm = re.findall(r"(?:warmed up in|longest compiles:) .*", srv.logs())
         out["warm_up_log"] = warm
         print(f"ready after {out['start_to_ready_s']:.1f} s; {warm[0] if warm else 'no warm-up line'}", flush=True)
+        with HealthProbe(srv.url) as probe:
+            bursts = [asyncio.run(burst(srv.url, [prompts(ns.burst_prompt) for _ in range(ns.burst)],
+                                        ns.burst_tokens)) for _ in range(2)]
+        out["health_during_bursts_s"] = probe.summary()
+        firsts = [statistics.median(e[0] for e in b["events"]) for b in bursts]
+        out["burst_first_text_p50_s"] = firsts
+        out["burst_wall_s"] = [b["wall_s"] for b in bursts]
+        out["first_burst_over_second"] = firsts[0] / firsts[1]
+        print(f"  bursts of {ns.burst}: first text p50 {firsts[0]:.3f} s, then {firsts[1]:.3f} s "
+              f"({out['first_burst_over_second']:.2f}x); /health meanwhile {out['health_during_bursts_s']}", flush=True)
         out["first_text_s"] = {}
         for n in ns.lengths:
             got = asyncio.run(burst(srv.url, [prompts(n)], 4))
             out["first_text_s"][n] = got["events"][0][0]
             print(f"  {n}-token prompt: first text {out['first_text_s'][n]:.3f} s", flush=True)
-        got = asyncio.run(burst(srv.url, [prompts(ns.burst_prompt) for _ in range(ns.burst)], 16))
-        out["burst_first_text_p50_s"] = statistics.median(e[0] for e in got["events"])
-        out["burst_wall_s"] = got["wall_s"]
         metrics = srv.metrics()
         # None where the server exports no such counter (it runs no warm-up: the CPU).
         out["after_ready"] = {name: sum(v for k, v in metrics.items() if k.split("{")[0] == name)
                               if any(k.split("{")[0] == name for k in metrics) else None for name in COUNTERS}
-        print(f"  burst of {ns.burst}: first text p50 {out['burst_first_text_p50_s']:.3f} s, wall "
-              f"{got['wall_s']:.2f} s; after ready: {out['after_ready']}", flush=True)
+        print(f"  after ready: {out['after_ready']}", flush=True)
         missed = re.findall(r"compiling .* after ready", srv.logs())
         out["compiled_after_ready"] = missed[:50]
     finally:
@@ -76,6 +119,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="16,512,4000,16000", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--burst-prompt", type=int, default=256)
+    ap.add_argument("--burst-tokens", type=int, default=16)
     ap.add_argument("--device", default="cuda")
     ns = ap.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
@@ -89,10 +133,11 @@ def main() -> None:
         result["starts"].append(one_start(path, ns, flags, prompts))
         with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
             json.dump(result, f, indent=1)
-    print("\nstart   ready s   compiled after ready   captured after ready")
+    print("\nstart   ready s   first burst / second   compiled after ready   captured after ready")
     for i, s in enumerate(result["starts"]):
         a = s["after_ready"]
-        print(f"{i + 1:<7d} {s['start_to_ready_s']:7.1f}   {a[COUNTERS[0]]!s:>20}   {a[COUNTERS[1]]!s:>20}")
+        print(f"{i + 1:<7d} {s['start_to_ready_s']:7.1f}   {s['first_burst_over_second']:20.2f}   "
+              f"{a[COUNTERS[0]]!s:>20}   {a[COUNTERS[1]]!s:>20}")
 
 
 if __name__ == "__main__":
