@@ -12,9 +12,10 @@ the limit, one less and one more, the limit and its largest multiple of 16), one
   longest context the pool holds (attention and QSA block choice size their tiles by it), over the attention
   layers;
 * segments: forwards of many requests: decode rows beside a prompt chunk, and many prompts at once (a burst);
-* eager decode steps of every count of rows (the ladder's over every layer kind; the others, which only the key
-  splits of decode attention depend on, over the attention layers), each sampling path (greedy, filtered random,
-  log-probabilities), a continuation, a layer-major prefill when the server runs those;
+* eager decode steps of the ladder's counts of rows, and of every count over the attention layers after a context
+  where QSA selects its most blocks (decode attention splits its keys by the count itself and the blocks
+  selected); each sampling path (greedy, filtered random, log-probabilities), a continuation, a layer-major
+  prefill when the server runs those;
 * with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`).
 
 Kernels depend on shapes, not on which layer runs them, so every forward but the graph captures runs over
@@ -195,6 +196,8 @@ class WarmUp:
         self.layer_major_chunk = layer_major_chunk
         self.layer_major = min(2 * layer_major_chunk + layer_major_chunk // 2 + 1, tokens - self.page)
         self.vocab = runner.config.vocab_size
+        c = runner.config
+        self.wide_context = min(self.max_context, c.indexer_budget + c.indexer_compress_ratio) if c.has_qsa else 1
         layers = runner.model.model.layers
         self.kinds = layer_kinds(layers)
         self.attention_kinds = [i for i in self.kinds if not layers[i].is_linear] or self.kinds
@@ -210,7 +213,7 @@ class WarmUp:
         out += [("segments", r) for r in ladder(self.max_rows - 1)] if self.max_rows > 1 else []
         out += [("burst", r) for r in ladder(self.max_rows) if r > 1]
         out += [("decode", rows) for rows in ladder(self.max_rows)]
-        out += [("decode", rows) for rows in range(1, self.max_rows + 1) if rows not in ladder(self.max_rows)]
+        out += [("decode_wide", rows) for rows in range(1, self.max_rows + 1)]
         out += [("continuation", None), ("sampling", None)]
         if self.layer_major_chunk:
             out.append(("layer_major", self.layer_major))
@@ -234,11 +237,9 @@ class WarmUp:
 
     def layers_for(self, what: str, arg) -> list[int]:
         """The layers a step runs through: one of each kind, or only the attention kinds for what only attention
-        depends on (a cached context's length; a decode batch's row count off the ladder, which sizes the key
-        splits of its decode attention)."""
-        if what == "context" or (what == "decode" and arg not in ladder(self.max_rows)):
-            return self.attention_kinds
-        return self.kinds
+        depends on (a cached context's length; every count of decode rows, which with the blocks QSA selects sizes
+        the key splits of decode attention)."""
+        return self.attention_kinds if what in ("context", "decode_wide") else self.kinds
 
     # -- segments ------------------------------------------------------------------------------------
 
@@ -303,6 +304,12 @@ class WarmUp:
     def _sampling(self, _) -> None:
         self._run(self._segment(0, 0, 3, RANDOM))
         self._run(self._segment(0, 0, 3, HOST_SAMPLED))
+
+    def _decode_wide(self, rows: int) -> None:
+        """``rows`` decode rows after a context where QSA selects its most blocks (as far as the pool holds that
+        many): the most keys decode attention splits."""
+        c = min(self.wide_context, (self.num_pages // rows - 1) * self.page - 1)
+        self._run(*[self._segment(slot, max(1, c), 1, HOST_SAMPLED) for slot in range(rows)])
 
     def _decode(self, rows: int) -> None:
         """``rows`` decode rows, sampled on the host (an eager step, not a graph's)."""

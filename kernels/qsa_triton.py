@@ -75,16 +75,17 @@ def _select_kernel(q_ptr, keys_ptr, key_rows_ptr, row_seg_ptr, pos_ptr, scores_p
 def qsa_select(index_q: torch.Tensor, block_keys: torch.Tensor, key_rows: torch.Tensor, row_segment: torch.Tensor,
                positions: torch.Tensor, n_blocks: int, ratio: int, width: int) -> torch.Tensor:
     """``block_sel [T, width]`` int32: per query row, its top-``width`` visible complete blocks (``b <
-    (position + 1) // ratio``) by ``sum_h relu(q_h . k_b) / sqrt(d)``, best first, ``-1`` past them.
+    (position + 1) // ratio``) by ``sum_h relu(q_h . k_b) / sqrt(d)``, best first, ``-1`` past them (``width``
+    may exceed ``n_blocks`` up to its next power of two: the rest is ``-1``).
 
     Args: index_q ``[T, Hi, d]``; block_keys ``[rows, d]`` (the pooled block keys' cache rows);
     key_rows ``[N, >= n_blocks]`` the row of each segment's block ``b``; row_segment, positions ``[T]``.
     ``n_blocks`` at most :data:`MAX_BLOCKS`.
     """
     tokens, heads, dim = index_q.shape
-    assert 0 < n_blocks <= MAX_BLOCKS and 0 < width <= n_blocks
-    assert block_keys.stride(1) == 1 and index_q.stride(2) == 1
     b_pad = max(16, triton.next_power_of_2(n_blocks))
+    assert 0 < n_blocks <= MAX_BLOCKS and 0 < width <= b_pad
+    assert block_keys.stride(1) == 1 and index_q.stride(2) == 1
     sel = torch.empty(tokens, width, dtype=torch.int32, device=index_q.device)
     if tokens == 0:
         return sel

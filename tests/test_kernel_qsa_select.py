@@ -47,7 +47,7 @@ def _reference(q, keys, key_rows, row_segment, positions, n_blocks, ratio, width
     return scores, pick_blocks_ref(scores, visible, width)
 
 
-@pytest.mark.parametrize("width", [1, 9])
+@pytest.mark.parametrize("width", [1, 9, 64])  # 64: past the 37 blocks, up to their next power of two
 @pytest.mark.parametrize("heads,dim", [(3, 24), (16, 32)])
 def test_select_equals_scores_and_topk(width, heads, dim):
     ratio = 4

@@ -7,7 +7,7 @@ from torch import nn
 
 from ...config.model import ModelConfig
 from ...kernels.attention import paged_attention
-from ...kernels.backend import use_triton
+from ...kernels.backend import next_pow2, use_triton
 from ...kernels.gemv import linear
 from ...kernels.qsa import pick_blocks
 from ..distributed import split
@@ -64,9 +64,11 @@ class QSAIndexer(nn.Module):
 
     def select(self, layer: int, index_q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``block_sel [T, K']``: per query row, its top-``block_topk`` visible complete blocks by
-        ``sum_h relu(q_h . k_block) / sqrt(d)``, ``-1`` for empty entries (fewer visible blocks)."""
+        ``sum_h relu(q_h . k_block) / sqrt(d)``, ``-1`` for empty entries (fewer visible blocks). ``K'`` is
+        ``block_topk``, or below it the blocks of the batch's longest context rounded up to a power of two:
+        attention compiles a variant per width, and empty entries cost it nothing."""
         qsa = batch.qsa
-        width = max(1, min(self.block_topk, qsa.max_blocks))
+        width = max(1, min(self.block_topk, next_pow2(qsa.max_blocks)))
         if qsa.max_blocks and use_triton(index_q, "qsa_select") and qsa.max_blocks <= QSA_TRITON_MAX_BLOCKS:
             from ...kernels.qsa_triton import qsa_select
 
@@ -79,7 +81,7 @@ class QSAIndexer(nn.Module):
             for group in (batch.decode, batch.prefill):
                 if group.num_rows:
                     self._select_group(index_q, keys[group.seg0:group.seg0 + group.num_segments].float(), group,
-                                       batch.positions, sel, width)
+                                       batch.positions, sel, min(width, qsa.max_blocks))
         return sel[:-1]
 
     def _select_group(self, index_q, seg_keys, group, positions, sel, width) -> None:
@@ -97,7 +99,7 @@ class QSAIndexer(nn.Module):
             hi = min(length, lo + tile)
             q = index_q[rows[:, lo:hi]].float()  # [n, t, Hi, d]
             scores = torch.einsum("nthd,nbd->nthb", q, seg_keys).relu_().sum(dim=2) * scale
-            sel[dest[:, lo:hi]] = pick_blocks(scores, (pos[:, lo:hi] + 1) // self.ratio, width)
+            sel[dest[:, lo:hi], :width] = pick_blocks(scores, (pos[:, lo:hi] + 1) // self.ratio, width)
 
 
 class GatedAttention(nn.Module):
