@@ -58,6 +58,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def split_serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A benchmark's command line: its own arguments, and the ``tidal serve`` flags after ``--``."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def health_status(url: str, timeout: float = 2.0) -> int | None:
     """The HTTP status of ``url``/health, or None when nothing answers."""
     try:

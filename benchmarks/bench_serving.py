@@ -46,7 +46,7 @@ import torch
 
 from tidal import LLM
 from tidal.bench.client import stream_events
-from tidal.bench.server import Server
+from tidal.bench.server import Server, split_serve_flags
 from tidal.bench.stats import gaps, percentile
 from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
@@ -191,9 +191,7 @@ def forward_level(path: str, ns, llm_args: dict, prompts: Prompts) -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="bench")

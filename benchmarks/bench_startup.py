@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.request
 
-from tidal.bench.server import Server
+from tidal.bench.server import Server, split_serve_flags
 from tidal.executor.presets import write_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +109,7 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="flash-next")

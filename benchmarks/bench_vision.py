@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from tidal import LLM
-from tidal.bench.server import Server
+from tidal.bench.server import Server, split_serve_flags
 from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
 from tidal.vision import ImageProcessor, image_input
@@ -101,9 +101,7 @@ async def first_text(url: str, image_png: bytes) -> tuple[float, dict]:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="bench")
