@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import defaultdict
 
 import torch
@@ -118,13 +119,19 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
                ple_backend: str = "gpu", quantization: str | None = None) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
     config = ModelConfig.from_file(path).with_quantization(quantization, load_format)
     torch_dtype = resolve_dtype(dtype, config, str(device))
+    if load_format not in ("random", "safetensors"):
+        raise ValueError(f"--load-format {load_format!r} is not supported; expected 'safetensors' or 'random'")
+    began = time.perf_counter()
     model = empty_model(config, device, torch_dtype, moe_strategy, ple_backend)
+    allocated = time.perf_counter()
     if load_format == "random":
         fill_random(model, config, seed, device)
-    elif load_format == "safetensors":
-        load_safetensors(model, config, path, skip_ple_tables=ple_backend == "disk")
     else:
-        raise ValueError(f"--load-format {load_format!r} is not supported; expected 'safetensors' or 'random'")
+        load_safetensors(model, config, path, skip_ple_tables=ple_backend == "disk")
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    logger.info("weights: allocated in %.1f s, %s in %.1f s", allocated - began,
+                "drawn" if load_format == "random" else "read", time.perf_counter() - allocated)
     return model, config
 
 
@@ -147,13 +154,16 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
             full_shapes = {n: tuple(p.shape) for n, p in Qwen4ExpForCausalLM(config).named_parameters()}
     quantized = [(n, m) for n, m in model.named_modules() if isinstance(m, RoutedExperts) and m.fmt is not None]
     bar = progress(total=len(named) + 2 * len(quantized), desc="random weights", unit="tensor", show=tp().rank == 0)
+    tables = 0.0
     for name, param in named:
         bar.update()
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         shape = full_shapes[name] if full_shapes else tuple(param.shape)
         if name.endswith("ngram_embedding.weight"):
+            began = time.perf_counter()
             _fill_random_table(model, name, param, shape, config, seed, device, stored)
+            tables += time.perf_counter() - began
             continue
         value = shard(name, random_tensor(name, shape, config, seed, device=device), config)
         param.data.copy_(value.to(stored))
@@ -161,6 +171,7 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
     # Quantized experts: the same values the parameters would get, rounded through the checkpoint dtype, then
     # quantized as a checkpoint's would be (each expert's gate, up and down its own tensor).
     inter, hidden = config.moe_intermediate_size, config.hidden_size
+    began = time.perf_counter()
     for prefix, module in quantized:
         for proj, (shape, parts) in {"gate_up_proj": ((2 * inter, hidden), [inter, inter]),
                                      "down_proj": ((hidden, inter), [hidden])}.items():
@@ -170,6 +181,9 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
             store_experts(module, proj, quantize_experts(values, parts, module.fmt), config)
             del values
     bar.close()
+    if quantized:
+        logger.info("random weights: n-gram tables drawn in %.1f s, experts drawn and quantized in %.1f s", tables,
+                    time.perf_counter() - began)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 

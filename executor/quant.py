@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.backend import use_triton
 from ..kernels.quant import FP8_BLOCK, NVFP4_GROUP, dequantize_fp8_block, dequantize_nvfp4
 
 EXPERT_FORMATS = ("nvfp4", "fp8")
@@ -80,10 +81,17 @@ class QuantTensor:
 
     # -- values ----------------------------------------------------------------------------------
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The dense ``[..., R, C]`` values in ``dtype``."""
+        """The dense ``[..., R, C]`` values in ``dtype`` (one Triton launch for CUDA tensors)."""
+        block_rows = self.block_rows.to(self.data.device) if self.block_rows is not None else None
+        if use_triton(self.data, "dequant"):
+            from ..kernels.quant_triton import dequantize_fp8_block_triton, dequantize_nvfp4_triton
+
+            if self.fmt == "nvfp4":
+                return dequantize_nvfp4_triton(self.data, self.scale, self.scale_2, dtype)
+            return dequantize_fp8_block_triton(self.data, self.scale, dtype, block_rows)
         if self.fmt == "nvfp4":
             return dequantize_nvfp4(self.data, self.scale, self.scale_2, dtype)
-        return dequantize_fp8_block(self.data, self.scale, dtype, self.block_rows.to(self.data.device))
+        return dequantize_fp8_block(self.data, self.scale, dtype, block_rows)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

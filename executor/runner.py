@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -520,9 +521,11 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
 
     device = device or args.resolved_device()
     dtype = resolve_dtype(args.dtype, config, device)
+    began = time.perf_counter()
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend,
                           quantization=args.quantization)
+    loaded = time.perf_counter()
     # One page and one slot beyond the scheduler's counts: the padding rows of decode graphs.
     kv = KVPool(config, sizes.num_pages + 1, sizes.page_size, device, dtype)
     states = StatePool(config, sizes.num_slots + 1, device, dtype)
@@ -560,6 +563,8 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     if decode_graphs(args, device, offloaded=store is not None, ranks=tp().size):
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
+    logger.info("model loaded in %.1f s, pools and tables set up in %.1f s", loaded - began,
+                time.perf_counter() - loaded)
     return runner
 
 

@@ -34,6 +34,7 @@ KERNELS = (
     "attention",      # paged prefill/decode attention (kernels/attention)
     "conv",           # causal conv1d varlen and its decode step (kernels/conv)
     "decode_prep",    # a decode graph's per-row tensors (kernels/decode_prep_triton)
+    "dequant",        # quantized experts to dense values (kernels/quant_triton)
     "gdn",            # Gated DeltaNet chunked prefill (flash-linear-attention) and recurrent decode
     "gdn_gates",      # GDN decay and beta gates (kernels/gdn)
     "gdn_step",       # GDN decode step: gates, recurrence, gated norm in one kernel (needs gdn, gdn_gates, norm)
