@@ -131,6 +131,11 @@ class ModelConfig:
                               f"{have or 'not quantized'} (tidal does not quantize a checkpoint at load)")
         return self
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """This config with only its first ``n`` decoder layers (and the PLE layers among them)."""
+        return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n],
+                       ple_layer_ids=tuple(i for i in self.ple_layer_ids if i <= n))
+
     # ---- derived facts ------------------------------------------------------------------------
     @property
     def linear_layers(self) -> list[int]:

@@ -77,6 +77,7 @@ class ServerArgs:
     # Warm-up before ready (compile kernels, capture decode graphs) and where compiled kernels persist.
     skip_warmup: bool = False
     compile_cache: str | None = None  # None: $XDG_CACHE_HOME/tidal/compile
+    compile_workers: int | None = None  # None: as many as cores and memory allow (executor/compile_workers.py)
     # Wiring.
     api_key: str | None = None
     tap_addr: str | None = None
@@ -131,6 +132,8 @@ class ServerArgs:
         need(self.tokenizer_workers >= 1, "tokenizer_workers", f"must be >= 1, got {self.tokenizer_workers}")
         need(self.reasoning_parser in (None, "qwen3"), "reasoning_parser",
              f"must be qwen3 (or unset), got {self.reasoning_parser!r}")
+        need(self.compile_workers is None or self.compile_workers >= 0, "compile_workers",
+             f"must be >= 0, got {self.compile_workers}")
         need(self.max_prefill_length is None or self.max_prefill_length >= 1, "max_prefill_length",
              f"must be >= 1, got {self.max_prefill_length}")
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size",
@@ -333,6 +336,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=None,
                    help="directory of compiled kernels, kept across starts so that a second start warms up fast "
                         "(default: $XDG_CACHE_HOME/tidal/compile)")
+    p.add_argument("--compile-workers", type=int, default=d.compile_workers,
+                   help="helper processes that compile the warm-up's kernels while the weights load, from an empty "
+                        "compile cache (default: up to 4, as the host's cores and the device memory the weights "
+                        "leave allow; 0: the executor compiles alone)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: none, no key)")
     p.add_argument("--tap-addr", default=None,

@@ -116,8 +116,10 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                load_format: str = "safetensors", seed: int = 0, moe_strategy: str = "resident",
-               ple_backend: str = "gpu", quantization: str | None = None) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
-    config = ModelConfig.from_file(path).with_quantization(quantization, load_format)
+               ple_backend: str = "gpu", quantization: str | None = None,
+               config: ModelConfig | None = None) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    """The model at ``path`` (``config``: its config as served, default read from ``path``)."""
+    config = config or ModelConfig.from_file(path).with_quantization(quantization, load_format)
     torch_dtype = resolve_dtype(dtype, config, str(device))
     if load_format not in ("random", "safetensors"):
         raise ValueError(f"--load-format {load_format!r} is not supported; expected 'safetensors' or 'random'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import traceback
 
 import msgspec
@@ -19,6 +20,7 @@ from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Read
 from ..runtime.faults import check, fault
 from ..runtime.ipc import Pull, Push
 from ..scheduler.layer_major import layer_major_decision
+from .compile_workers import CompileWorkers, plan_workers, warm_marker, write_marker
 from .distributed import init_tp
 from .runner import Launched, build_runner
 from .warm import CompileCounter, WarmUp, use_compile_cache
@@ -82,10 +84,28 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     check("executor.load.hang")
     use_compile_cache(args.compile_cache_dir(), explicit=args.compile_cache is not None)
     compiles = CompileCounter()
-    runner = build_runner(args, config, sizes, model_path, device=device)
+    warming = device.startswith("cuda") and not args.skip_warmup
+    max_prefill = args.max_prefill_length or sizes.max_model_len
+    marker = workers = None
+    if warming and args.tp == 1 and os.environ.get("TRITON_CACHE_DIR"):
+        marker = warm_marker(args, config, os.environ["TRITON_CACHE_DIR"])
+        if not os.path.exists(marker):
+            count, budget, why = plan_workers(args, config, device)
+            if count:
+                workers = CompileWorkers(args, config, sizes, model_path, device, max_prefill,
+                                         args.max_running_requests, layer_major_chunk(args))
+                workers.start(count, budget)
+            else:
+                logger.info("no compile workers: %s", why)
+    try:
+        runner = build_runner(args, config, sizes, model_path, device=device,
+                              after_weights=workers.wait if workers is not None else None)
+    finally:
+        if workers is not None:
+            workers.stop()
     runner.compiles, compiles.graphs = compiles, runner.graphs
-    if runner.device.type == "cuda" and not args.skip_warmup:
-        warm = WarmUp(runner, sizes, args.max_prefill_length or sizes.max_model_len, args.max_running_requests,
+    if warming:
+        warm = WarmUp(runner, sizes, max_prefill, args.max_running_requests,
                       layer_major_chunk=layer_major_chunk(args))
         seconds = warm.run()
         logger.info("rank %d warmed up in %.1f s: %d steps over layers %s, %d kernels compiled or loaded in %.1f s "
@@ -93,6 +113,8 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
                     compiles.compiles, compiles.seconds, args.compile_cache_dir(), compiles.captures)
         if compiles.by_kernel:
             logger.info("rank %d: longest compiles: %s", rank, compiles.slowest())
+        if marker is not None:
+            write_marker(marker)
     compiles.ready()
     control.send(Ready(role=f"executor-{rank}"))
     logger.info("rank %d ready on %s (%s%s; KV %d bytes a token, state %d bytes a slot)", rank, runner.device,

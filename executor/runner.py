@@ -513,9 +513,11 @@ class ModelRunner:
         ends = [(seg.slot, dst) for seg in fb.segments for off, dst in seg.exports if off == seg.length]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
-def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str | None = None) -> ModelRunner:
+def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str | None = None,
+                 after_weights=None) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device; with offload, the
-    expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``."""
+    expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``.
+    ``after_weights()`` runs between the two."""
     from .loader import DTYPES, load_model, resolve_dtype
     from .offload.ple_table import DiskTable, PinnedTable, SeededTable, find_ple_shards
 
@@ -524,8 +526,10 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     began = time.perf_counter()
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend,
-                          quantization=args.quantization)
+                          quantization=args.quantization, config=config)
     loaded = time.perf_counter()
+    if after_weights is not None:
+        after_weights()
     # One page and one slot beyond the scheduler's counts: the padding rows of decode graphs.
     kv = KVPool(config, sizes.num_pages + 1, sizes.page_size, device, dtype)
     states = StatePool(config, sizes.num_slots + 1, device, dtype)

@@ -222,18 +222,21 @@ class WarmUp:
             out += [("graph", key) for key in graphs.shapes()]
         return out
 
-    def run(self) -> float:
-        """Run every step; the seconds it took."""
+    def run(self, steps: list[tuple[str, object]] | None = None, show: bool = True) -> float:
+        """Run ``steps`` (default: every step); the seconds it took."""
         t0 = time.perf_counter()
-        model = self.runner.model
-        for what, arg in progress(self.steps(), desc="warming up", unit="step"):
-            if what == "graph":  # a captured step replays the whole model
-                getattr(self, f"_{what}")(arg)
-                continue
-            with only_layers(model, self.layers_for(what, arg)):
-                getattr(self, f"_{what}")(arg)
+        for what, arg in progress(self.steps() if steps is None else steps, desc="warming up", unit="step",
+                                  show=show):
+            self.run_step(what, arg)
         self.runner.synchronize()
         return time.perf_counter() - t0
+
+    def run_step(self, what: str, arg) -> None:
+        if what == "graph":  # a captured step replays the whole model
+            self._graph(arg)
+            return
+        with only_layers(self.runner.model, self.layers_for(what, arg)):
+            getattr(self, f"_{what}")(arg)
 
     def layers_for(self, what: str, arg) -> list[int]:
         """The layers a step runs through: one of each kind, or only the attention kinds for what only attention

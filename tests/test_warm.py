@@ -206,3 +206,148 @@ def test_compile_cache_directory(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match="--compile-cache"):
         use_compile_cache(str(tmp_path / "file"), explicit=True)
+
+
+def test_compile_workers_share_the_steps():
+    """Worker 0 takes the first step (the kernels every step shares); the rest are dealt out, none twice."""
+    from tidal.executor.compile_workers import share
+
+    steps = [("prefill", n) for n in range(1, 30)] + [("graph", (1, 2)), ("decode", 4)]
+    for count in (1, 2, 3, 4):
+        shares = [share(steps, i, count) for i in range(count)]
+        assert shares[0][0] == steps[0]
+        assert sorted(s for part in shares for s in part) == sorted(steps)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 2
+
+
+@pytest.mark.parametrize("preset", ["small", "flash-next"])
+def test_the_workers_model_holds_every_layer_kind(preset):
+    """The model a compile worker builds ends after the last kind's first layer: the same kinds, the same layers."""
+    import torch
+
+    from tidal.config.model import ModelConfig
+    from tidal.executor.compile_workers import worker_config
+    from tidal.executor.models import Qwen4ExpForCausalLM
+    from tidal.executor.presets import preset_config
+    from tidal.executor.warm import layer_signature
+
+    config = ModelConfig.from_dict(preset_config(preset))
+    small = worker_config(config)
+    with torch.device("meta"):
+        full, cut = Qwen4ExpForCausalLM(config).model.layers, Qwen4ExpForCausalLM(small).model.layers
+    kinds = layer_kinds(full)
+    assert small.num_hidden_layers == max(kinds) + 1 < config.num_hidden_layers
+    assert layer_kinds(cut) == kinds
+    assert [layer_signature(cut[i]) for i in kinds] == [layer_signature(full[i]) for i in kinds]
+    assert set(small.ple_layer_ids) <= set(config.ple_layer_ids) and small.ple_layer_ids
+
+
+def test_the_warm_marker_names_what_shapes_the_forwards(tmp_path):
+    """A warm compile cache is recognised for the same model and flags, whatever the port or log level; another
+    prefill budget or another model is another warm-up."""
+    pytest.importorskip("triton")
+    from tidal.config.model import ModelConfig
+    from tidal.config.server_args import ServerArgs
+    from tidal.executor.compile_workers import warm_marker
+    from tidal.executor.presets import preset_config
+
+    config = ModelConfig.from_dict(preset_config("small"))
+    base = warm_marker(ServerArgs(model="m"), config, str(tmp_path))
+    assert base.startswith(str(tmp_path))
+    assert warm_marker(ServerArgs(model="m", port=9000, log_level="debug"), config, str(tmp_path)) == base
+    assert warm_marker(ServerArgs(model="m", max_prefill_length=4096), config, str(tmp_path)) != base
+    assert warm_marker(ServerArgs(model="m"), config.first_layers(3), str(tmp_path)) != base
+
+
+def test_compile_workers_flag():
+    from tidal.config.server_args import ArgsError, ServerArgs
+
+    with pytest.raises(ArgsError, match="--compile-workers: must be >= 0"):
+        ServerArgs(compile_workers=-1)
+
+
+WORKERS = """
+import json, os, sys, time
+cache = os.environ["TRITON_CACHE_DIR"]
+import torch
+from tidal import LLM
+from tidal.config.model import ModelConfig
+from tidal.config.pools import pool_sizes
+from tidal.config.server_args import ServerArgs
+from tidal.executor.compile_workers import CompileWorkers, plan_workers
+from tidal.executor.warm import WarmUp
+
+path = sys.argv[1]
+kw = dict(device="cuda", dtype="bfloat16", max_prefill_length=512, max_running_requests=8)
+args = ServerArgs(model=path, **kw)
+config = ModelConfig.from_file(path)
+count, budget, why = plan_workers(args, config, "cuda")
+workers = CompileWorkers(args, config, pool_sizes(args, config), path, "cuda", 512, 8, 0)
+workers.start(2, budget)
+codes = []
+for p in workers.procs:
+    p.join(800)
+    codes.append(p.exitcode)
+kernels = lambda: sum(1 for d in os.listdir(cache) if os.path.isdir(os.path.join(cache, d)))
+by_workers = kernels()
+llm = LLM(path, **kw)
+WarmUp(llm.runner, llm.sizes, 512, 8).run()
+print(json.dumps([count, codes, by_workers, kernels() - by_workers]))
+"""
+
+
+@pytest.mark.gpu
+def test_compile_workers_compile_what_the_warm_up_meets_gpu(tiny_checkpoint, tmp_path):
+    """Two workers over an empty compile cache compile the warm-up's kernels: the executor's own warm-up after
+    them compiles (almost) nothing new (autotuning records its choices beside the kernels)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    os.makedirs(env["TRITON_CACHE_DIR"])
+    run = subprocess.run([sys.executable, "-c", WORKERS, tiny_checkpoint], capture_output=True, text=True,
+                         timeout=900, env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    count, codes, by_workers, new = json.loads(run.stdout.strip().splitlines()[-1])
+    assert count >= 1 and codes == [0, 0], run.stderr[-4000:]
+    assert by_workers > 20 and new <= max(3, by_workers // 10), (by_workers, new)
+
+
+CPU_WORKERS = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from tidal.config.model import ModelConfig
+from tidal.config.pools import pool_sizes
+from tidal.config.server_args import ServerArgs
+from tidal.executor.compile_workers import CompileWorkers
+from tidal.executor.runner import build_runner
+from tidal.executor.warm import WarmUp
+
+path = sys.argv[1]
+args = ServerArgs(model=path, device="cpu", dtype="float32", max_prefill_length=64, max_running_requests=3)
+config = ModelConfig.from_file(path)
+sizes = pool_sizes(args, config)
+workers = CompileWorkers(args, config, sizes, path, "cpu", 64, 3, 0)
+workers.start(2, 1 << 30)
+codes = [p for p in workers.procs]
+workers.wait(600)
+print(len(WarmUp(build_runner(args, config, sizes, path), sizes, 64, 3).steps()), [p.exitcode for p in codes])
+"""
+
+
+def test_compile_workers_run_every_step_between_them(tiny_checkpoint):
+    """Two workers (spawned processes, on the CPU here) build the first layers' model and run every warm-up
+    step between them, and exit cleanly; the executor's log says when they are done."""
+    import re
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", CPU_WORKERS, tiny_checkpoint], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "TIDAL_PROGRESS": "0"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    total, codes = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert codes == "[0, 0]"
+    ran = [int(n) for n in re.findall(r"compile-worker-\d INFO (\d+) steps in", run.stderr)]
+    assert len(ran) == 2 and sum(ran) == int(total) > 20, run.stderr[-3000:]
+    assert "2 compile workers started" in run.stderr and "compile workers done" in run.stderr
