@@ -78,9 +78,14 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=3600)
     out: dict = {"start_to_ready_s": time.monotonic() - t0}
     try:
-        warm = re.findall(r"(?:warmed up in|longest compiles:) .*", srv.logs())
-        out["warm_up_log"] = warm
+        # The start's profile: the load, the compile workers, the warm-up and its longest compiles.
+        out["warm_up_log"] = re.findall(r"\S+ (?:INFO|WARNING) (.*(?:warmed up in|longest compiles:|compile workers|"
+                                        r"compile worker|weights:|model loaded in).*)", srv.logs())
+        warm = [line for line in out["warm_up_log"] if "warmed up in" in line]
         print(f"ready after {out['start_to_ready_s']:.1f} s; {warm[0] if warm else 'no warm-up line'}", flush=True)
+        for line in out["warm_up_log"]:
+            if "warmed up in" not in line:
+                print(f"  {line}", flush=True)
         with HealthProbe(srv.url) as probe:
             bursts = [asyncio.run(burst(srv.url, [prompts(ns.burst_prompt) for _ in range(ns.burst)],
                                         ns.burst_tokens)) for _ in range(2)]

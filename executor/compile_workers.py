@@ -192,8 +192,8 @@ def _work(args, config: ModelConfig, sizes, model_path: str, device: str, budget
             torch.cuda.empty_cache()
 
     runner.synchronize()
-    logger.info("%d steps in %.1f s, %d kernels compiled or loaded in %.1f s, peak %.1f GiB%s",
-                len(mine) + (index == 0),
+    logger.info("compile worker %d: %d steps in %.1f s, %d kernels compiled or loaded in %.1f s, peak %.1f GiB%s",
+                index, len(mine) + (index == 0),
                 time.perf_counter() - t0, compiles.compiles, compiles.seconds,
                 torch.cuda.max_memory_allocated(device) / GiB if cuda else 0.0,
                 f"; skipped for memory: {', '.join(skipped)}" if skipped else "")

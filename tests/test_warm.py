@@ -348,6 +348,6 @@ def test_compile_workers_run_every_step_between_them(tiny_checkpoint):
     assert run.returncode == 0, run.stderr[-4000:]
     total, codes = run.stdout.strip().splitlines()[-1].split(" ", 1)
     assert codes == "[0, 0]"
-    ran = [int(n) for n in re.findall(r"compile-worker-\d INFO (\d+) steps in", run.stderr)]
+    ran = [int(n) for n in re.findall(r"compile worker \d: (\d+) steps in", run.stderr)]
     assert len(ran) == 2 and sum(ran) == int(total) > 20, run.stderr[-3000:]
     assert "2 compile workers started" in run.stderr and "compile workers done" in run.stderr
