@@ -44,6 +44,9 @@ CORES_PER_WORKER = 4
 # pools for the share to be worth starting it.
 CONTEXT_BYTES = 1 * GiB
 MIN_ACTIVATION_BYTES = 6 * GiB
+# Seconds the other workers wait for worker 0's first step before they begin anyway, and the executor for them all.
+FIRST_STEP_TIMEOUT = 300.0
+WAIT_TIMEOUT = 900.0
 # Host memory a worker process takes.
 HOST_BYTES = 3 * GiB
 # Device memory a load takes beyond its weights: a checkpoint's tensors pass through a few buffers; random weights
@@ -175,15 +178,18 @@ def _work(args, config: ModelConfig, sizes, model_path: str, device: str, budget
         _, total = torch.cuda.mem_get_info(device)
         torch.cuda.set_per_process_memory_fraction(max(0.01, min(1.0, (budget - CONTEXT_BYTES) / total)), device)
     compiles = CompileCounter()
-    runner = build_runner(args, config, sizes, model_path, device=device)
-    warm = WarmUp(runner, sizes, max_prefill, max_rows, layer_major_chunk=layer_major_chunk)
-    mine, skipped = share(warm.steps(), index, count), []
-    if index == 0:
-        warm.run(mine[:1], show=False)
-        first_done.set()
-        mine = mine[1:]
-    else:
-        first_done.wait()
+    try:
+        runner = build_runner(args, config, sizes, model_path, device=device)
+        warm = WarmUp(runner, sizes, max_prefill, max_rows, layer_major_chunk=layer_major_chunk)
+        mine, skipped = share(warm.steps(), index, count), []
+        if index == 0:
+            warm.run(mine[:1], show=False)
+            mine = mine[1:]
+    finally:
+        if index == 0:  # the others begin, whatever happened here
+            first_done.set()
+    if index:
+        first_done.wait(FIRST_STEP_TIMEOUT)
     for what, arg in mine:
         try:
             warm.run_step(what, arg)
@@ -235,7 +241,7 @@ class CompileWorkers:
         logger.info("%d compile workers started (%.1f GiB of device memory each, %d of the model's %d layers)",
                     count, budget / GiB, config.num_hidden_layers, self.config.num_hidden_layers)
 
-    def wait(self, timeout: float = 1800.0) -> None:
+    def wait(self, timeout: float = WAIT_TIMEOUT) -> None:
         """Until every worker has exited (those still running after ``timeout`` s are killed); a worker that
         failed is logged, and what it did not compile, the executor's warm-up compiles."""
         deadline = time.monotonic() + timeout
