@@ -118,7 +118,9 @@ def _gated(out, g_ptrs, mask, dtype, HAS_GATE: tl.constexpr):
     return o
 
 
-@triton.jit
+# The batch-shaped integers (segments, key splits, the tile kernel's bound) are not specialized on (== 1, divisible
+# by 16): a batch's row count and context would otherwise pick among variants the warm-up cannot all meet.
+@triton.jit(do_not_specialize=["tile_below"])
 def _tile_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, pt_ptr, cu_ptr, kvlen_ptr, bm_ptr, qk_scale, tile_below,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh, stride_kp, stride_kr, stride_kh,
                  stride_vp, stride_vr, stride_vh, stride_pt, stride_bm,
@@ -233,7 +235,7 @@ def _find_row(cu_ptr, slot, num_segs, search_iters, SELECTED: tl.constexpr):
         return slot, row0, seg_len, seg_len - 1, seg_len == 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segs", "search_iters", "num_splits", "tile_below"])
 def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, part_o_ptr, part_lse_ptr, pt_ptr, cu_ptr, kvlen_ptr, sel_ptr,
                 qk_scale, num_segs, search_iters, num_splits, tile_below,
                 stride_qt, stride_qh, stride_ot, stride_oh, stride_gt, stride_gh, stride_kp, stride_kr, stride_kh,
@@ -312,7 +314,7 @@ def _row_kernel(q_ptr, k_ptr, v_ptr, o_ptr, g_ptr, part_o_ptr, part_lse_ptr, pt_
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_d[None, :], out, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segs", "search_iters", "num_splits", "tile_below"])
 def _combine_kernel(o_ptr, g_ptr, part_o_ptr, part_lse_ptr, cu_ptr, kvlen_ptr, num_segs, search_iters, num_splits,
                     tile_below, stride_ot, stride_oh, stride_gt, stride_gh, SELECTED: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
