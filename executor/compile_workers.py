@@ -174,8 +174,7 @@ def _work(args, config: ModelConfig, sizes, model_path: str, device: str, budget
     t0 = time.perf_counter()
     cuda = device.startswith("cuda")
     if cuda:
-        device = torch.device(device)
-        device = torch.device("cuda", device.index or 0)  # "cuda": the first visible device, as the executor's
+        device = f"cuda:{torch.device(device).index or 0}"  # "cuda": the first visible device, as the executor's
         torch.cuda.set_device(device)
         _, total = torch.cuda.mem_get_info(device)
         torch.cuda.set_per_process_memory_fraction(max(0.01, min(1.0, (budget - CONTEXT_BYTES) / total)), device)
