@@ -5,11 +5,11 @@ Triton compiles one kernel at a time in a process, 0.5-1 s each, and a model mee
 an empty compile cache that is most of a start. The variants depend on shapes alone, so a model of the served
 model's first layers (up to the last :func:`~tidal.executor.warm.layer_kinds` position), with random weights, meets
 every one of them. Each worker builds that model with the server's flags and pool sizes (its pools hold the first
-layers' share: a fraction of the server's), runs its share of the warm-up steps (:class:`WarmUp`, the steps dealt
-round-robin after the first, which worker 0 runs before the others begin, as it meets the kernels every step
-shares) and exits; what it compiled lands in the shared compile cache. The executor then warms up from that
-cache. Workers run beside the weight load within a fixed share of the device's memory each (a worker's step
-that would exceed it is skipped: the executor compiles what it meets); they take no autotuning decisions
+layers' share: a fraction of the server's), runs its share of the warm-up steps (:class:`WarmUp`: a run of
+consecutive steps after the first, which worker 0 runs before the others begin, as it meets the kernels every step
+shares) and exits; what it compiled lands in the shared compile cache. The executor then warms up from that cache.
+Workers run beside the weight load within a fixed share of the device's memory each (a worker's step that would
+exceed it is skipped: the executor compiles what it meets); they take no autotuning decisions
 (``FLA_CACHE_RESULTS=0``: flash-linear-attention's kernels are compiled in every configuration, and the executor
 times them alone).
 
@@ -148,9 +148,13 @@ def plan_workers(args, config: ModelConfig, device: str) -> tuple[int, int, str]
 
 
 def share(steps: list, index: int, count: int) -> list:
-    """Worker ``index``'s steps of ``count`` workers: the first step for worker 0, then every ``count``-th of the
-    rest (neighbouring sizes meet different specializations, so dealing them out spreads the compilations)."""
-    return (steps[:1] if index == 0 else []) + steps[1:][index::count]
+    """Worker ``index``'s steps of ``count`` workers: the first step for worker 0, then the ``index``-th of
+    ``count`` runs of consecutive steps of the rest. Consecutive steps walk one axis (prompt lengths, then contexts,
+    row counts, ...) and share its kernel variants, which one worker then compiles (steps dealt out one by one
+    would have every worker compile nearly every variant at the same time)."""
+    rest = steps[1:]
+    bounds = [len(rest) * i // count for i in range(count + 1)]
+    return (steps[:1] if index == 0 else []) + rest[bounds[index]:bounds[index + 1]]
 
 
 def _die_with_parent() -> None:

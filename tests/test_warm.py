@@ -209,14 +209,15 @@ def test_compile_cache_directory(tmp_path, monkeypatch):
 
 
 def test_compile_workers_share_the_steps():
-    """Worker 0 takes the first step (the kernels every step shares); the rest are dealt out, none twice."""
+    """Worker 0 takes the first step (the kernels every step shares); the rest go out in runs of consecutive
+    steps (one axis's variants to one worker), none twice."""
     from tidal.executor.compile_workers import share
 
     steps = [("prefill", n) for n in range(1, 30)] + [("graph", (1, 2)), ("decode", 4)]
     for count in (1, 2, 3, 4):
         shares = [share(steps, i, count) for i in range(count)]
         assert shares[0][0] == steps[0]
-        assert sorted(s for part in shares for s in part) == sorted(steps)
+        assert [s for part in shares for s in part] == steps  # in order: consecutive runs
         assert max(map(len, shares)) - min(map(len, shares)) <= 2
 
 
@@ -299,7 +300,9 @@ print(json.dumps([count, codes, by_workers, kernels() - by_workers]))
 @pytest.mark.gpu
 def test_compile_workers_compile_what_the_warm_up_meets_gpu(tiny_checkpoint, tmp_path):
     """Two workers over an empty compile cache compile the warm-up's kernels: the executor's own warm-up after
-    them compiles (almost) nothing new (autotuning records its choices beside the kernels)."""
+    them adds few entries to the cache. Those are what the workers do not meet: they run with n-gram rows drawn on
+    the host and so without decode graphs (the executor captures its graphs and gathers rows from its device
+    table), and take no autotuning decision (the executor records its choices beside the kernels)."""
     import json
     import subprocess
     import sys
@@ -311,7 +314,7 @@ def test_compile_workers_compile_what_the_warm_up_meets_gpu(tiny_checkpoint, tmp
     assert run.returncode == 0, run.stderr[-4000:]
     count, codes, by_workers, new = json.loads(run.stdout.strip().splitlines()[-1])
     assert count >= 1 and codes == [0, 0], run.stderr[-4000:]
-    assert by_workers > 20 and new <= max(3, by_workers // 10), (by_workers, new)
+    assert by_workers > 20 and new <= by_workers // 4, (by_workers, new)
 
 
 CPU_WORKERS = """
