@@ -24,6 +24,11 @@ def cache_dir() -> str:
     return os.path.join(base, "tidal")
 
 
+# Host-local wiring: fields that may differ between the hosts (and the starts) of one mesh serving one model.
+HOST_LOCAL_FIELDS = frozenset({"run_dir", "node_rank", "log_level", "scheduler_addr", "executor_addr",
+                               "detokenizer_addr", "frontend_addr", "control_addr", "tap_addr"})
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model: str | None = None

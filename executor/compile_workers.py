@@ -32,6 +32,7 @@ import time
 import torch
 
 from ..config.model import ModelConfig
+from ..config.server_args import HOST_LOCAL_FIELDS
 from .memory.fit import GiB, host_memory, memory_plan
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,9 @@ def warm_marker(args, config: ModelConfig, cache_dir: str) -> str:
     (as served), the flags that shape its forwards, tidal's source, torch's and Triton's versions and the device."""
     import triton
 
-    local = {"run_dir", "node_rank", "log_level", "scheduler_addr", "executor_addr", "detokenizer_addr",
-             "frontend_addr", "control_addr", "tap_addr", "api_key", "compile_cache", "compile_workers", "host",
-             "port", "restart_on_failure", "shutdown_timeout", "executor_timeout", "heartbeat_timeout"}
+    # Besides the host-local wiring, flags that change nothing a forward does.
+    local = HOST_LOCAL_FIELDS | {"api_key", "compile_cache", "compile_workers", "host", "port", "restart_on_failure",
+                                 "shutdown_timeout", "executor_timeout", "heartbeat_timeout"}
     flags = {k: v for k, v in sorted(dataclasses.asdict(args).items()) if k not in local}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     what = repr((flags, config, _source_digest(), torch.__version__, triton.__version__, device))

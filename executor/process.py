@@ -15,7 +15,7 @@ import zmq
 
 from ..config.model import ModelConfig
 from ..config.pools import pool_sizes
-from ..config.server_args import ServerArgs
+from ..config.server_args import HOST_LOCAL_FIELDS, ServerArgs
 from ..messages import Batch, BatchResult, ExecutorFailed, ExecutorInbound, Ready, Shutdown
 from ..runtime.faults import check, fault
 from ..runtime.ipc import Pull, Push
@@ -48,9 +48,7 @@ def device_usable(device: torch.device) -> bool:
 def check_agreement(args: ServerArgs, config: ModelConfig, rank: int) -> None:
     """Every rank must run with the same settings and model: compare digests, refuse to start if not."""
     # Host-local wiring (run directory, socket paths, this host's index) may differ between hosts.
-    local = {"run_dir", "node_rank", "log_level", "scheduler_addr", "executor_addr", "detokenizer_addr",
-             "frontend_addr", "control_addr", "tap_addr"}
-    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in local}
+    settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in HOST_LOCAL_FIELDS}
     mine = msgspec.json.encode(settings) + msgspec.json.encode(config.raw)
     digest = hashlib.sha256(mine).hexdigest()
     digests = [None] * args.tp

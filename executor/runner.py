@@ -527,9 +527,10 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend,
                           quantization=args.quantization, config=config)
-    loaded = time.perf_counter()
+    load_s = time.perf_counter() - began
     if after_weights is not None:
         after_weights()
+    pools_began = time.perf_counter()
     # One page and one slot beyond the scheduler's counts: the padding rows of decode graphs.
     kv = KVPool(config, sizes.num_pages + 1, sizes.page_size, device, dtype)
     states = StatePool(config, sizes.num_slots + 1, device, dtype)
@@ -567,8 +568,8 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     if decode_graphs(args, device, offloaded=store is not None, ranks=tp().size):
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
-    logger.info("model loaded in %.1f s, pools and tables set up in %.1f s", loaded - began,
-                time.perf_counter() - loaded)
+    logger.info("model loaded in %.1f s, pools and tables set up in %.1f s", load_s,
+                time.perf_counter() - pools_began)
     return runner
 
 
