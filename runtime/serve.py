@@ -296,8 +296,7 @@ def serve(args: ServerArgs) -> int:
             keep = frozenset({"frontend"}) if mesh.procs["frontend"].poll() is None else frozenset()
             logger.info("restarting %s", sorted(n for n in mesh.procs if n not in keep))
             mesh.stop(keep=keep)
-            supervisor.control.drain()  # the last words of the stopped processes
-            supervisor.forget(n for n in mesh_members(args) if n not in keep)
+            supervisor.restarting([n for n in mesh_members(args) if n not in keep])
             mesh.start(keep=keep)
     finally:
         mesh.stop()

@@ -359,6 +359,16 @@ class Supervisor:
         self.stop_reason = None
         self.waiting_since = time.monotonic()
 
+    def restarting(self, names) -> None:
+        """Processes ``names`` were stopped and are about to start again: they are forgotten, and what the
+        others said meanwhile is taken in (the watch was not listening while the stop lasted, which may be
+        longer than ``--heartbeat-timeout``)."""
+        said = self.control.drain()
+        self.forget(names)
+        for msg in said:
+            if isinstance(msg, Heartbeat):
+                self.heard(msg)
+
     def exited_reason(self, name: str, code: int, explain: Callable[[str, int, bool], str] | None) -> str:
         """Why the mesh fails when process ``name`` exited with ``code``: how it ended and whether it had become
         ready, with what ``explain`` adds (the load plan's memory for an executor killed while it loaded)."""

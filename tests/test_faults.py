@@ -304,3 +304,47 @@ def test_a_push_whose_peer_takes_nothing_raises_instead_of_blocking(tmp_path):
         push.close()
     finally:
         ctx.term()
+
+
+def test_the_kept_frontend_is_heard_across_a_restart_longer_than_the_heartbeat_timeout(tmp_path):
+    """While the launcher stops the failed processes (up to 10 s when one ignores SIGTERM) the watch is not
+    listening; the frontend's heartbeats of that time count once the stopped ones are forgotten, and the
+    stopped processes' last words do not."""
+    import zmq
+
+    from tidal.config.server_args import ServerArgs
+    from tidal.messages import Heartbeat, encode
+    from tidal.runtime.serve import wire
+    from tidal.runtime.supervisor import Supervisor
+
+    args = wire(ServerArgs(model="m", heartbeat_timeout=1.0, tp=2), str(tmp_path))
+    ctx = zmq.Context()
+    sup = Supervisor(args, ctx, [args.control_addr])
+    up = ctx.socket(zmq.PUSH)
+    up.connect(args.control_addr)
+    try:
+        def say(role, instance, state="ready"):
+            up.send(encode(Heartbeat(role=role, instance=instance, state=state)))
+
+        for role in ("scheduler", "detokenizer", "frontend", "executor-0", "executor-1"):
+            say(role, f"{role}-old")
+        deadline = time.monotonic() + 5
+        while len(sup.members) < 5 and time.monotonic() < deadline:
+            for msg in sup.control.drain():
+                assert sup.heard(msg) is None
+            time.sleep(0.01)
+        assert len(sup.members) == 5
+        time.sleep(1.5)  # the stop outlasts --heartbeat-timeout
+        say("frontend", "frontend-old")
+        say("executor-0", "executor-0-old", "failed")  # a stopped process's last words
+        time.sleep(0.2)
+        stopped = ["scheduler", "detokenizer", "executor-0", "executor-1"]
+        sup.restarting(stopped)
+        assert sorted(sup.members) == ["frontend"]
+        assert time.monotonic() - sup.members["frontend"].last_seen < 1.0
+        assert not sup.serving
+    finally:
+        up.close(0)
+        sup.control.close()
+        sup.to_frontend.close()
+        ctx.destroy(0)
