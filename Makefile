@@ -21,4 +21,4 @@ demo: setup
 # Two workers (pytest-xdist), each taking a whole file at a time, one torch thread each: the tiny test models
 # gain nothing from a second thread, and the files' server processes and rank processes overlap better.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --durations=30
