@@ -9,6 +9,7 @@ import os
 import re
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -493,12 +494,9 @@ def load_safetensors(model: Qwen4ExpForCausalLM, config: ModelConfig, path: str,
     """Fill ``model`` from the checkpoint's files; with ``skip_ple_tables`` the PLE shards stay on disk
     (they are only checked to exist: ``--ple-backend disk`` reads them on demand). Quantized routed experts and
     n-gram tables are kept as stored; any other quantized linear is dequantized here, once."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    modules = dict(model.named_modules())
     reader = _Reader(path)
     try:
-        _load(model, config, reader, params, buffers, modules, skip_ple_tables)
+        _Fill(model, config, reader, skip_ple_tables).run()
     finally:
         reader.close()
 
@@ -538,103 +536,159 @@ def _load_vision(tower, reader: _Reader) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: dict, modules: dict,
-          skip_ple_tables: bool) -> None:
-    filled: set[str] = set()
-    used: set[str] = set()
-    expert_parts: dict[str, set[tuple[int, str]]] = defaultdict(set)
-    ple_shards: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    unexpected: list[str] = []
-    dequantized = 0
+def _check_shape(key: str, target: torch.Tensor, shape) -> None:
+    if tuple(shape) != tuple(target.shape):
+        raise CheckpointError(f"tensor {key} has shape {list(shape)}, expected {list(target.shape)} from config.json")
 
-    def check_shape(key: str, target: torch.Tensor, shape) -> None:
-        if tuple(shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"tensor {key} has shape {list(shape)}, expected {list(target.shape)} from config.json"
-            )
 
-    if reader.skipped:
-        logger.info("not served: %d tensors of the checkpoint's multi-token prediction head (%s ...)",
-                    len(reader.skipped), reader.skipped[0])
-    if model.visual is not None and not reader.vision:
-        logger.warning("config.json describes a vision tower but the checkpoint holds none of its tensors: "
-                       "serving text only")
-        model.visual = None
-    if model.visual is not None:
-        _load_vision(model.visual, reader)
-    elif reader.vision:
-        logger.info("not served: %d tensors of a vision tower config.json does not describe", len(reader.vision))
-    quant_bases = {n for n, m in modules.items() if isinstance(m, RoutedExperts) and m.fmt is not None}
-    for base in sorted(quant_bases):
-        used |= _load_quant_experts(modules[base], base, reader, config)
-        filled.add(base)
-    bar = progress(total=len(reader.index), desc="loading weights", unit="tensor", show=tp().rank == 0)
+@dataclass
+class _LoadPlan:
+    """Where each tensor of a checkpoint goes, decided from the names alone before any is read."""
+
+    experts: list[tuple[str, str, int, str]] = field(default_factory=list)  # (name, base, expert, part)
+    ple_shards: dict[str, list[tuple[int, str]]] = field(default_factory=lambda: defaultdict(list))
+    params: list[str] = field(default_factory=list)
+    buffers: list[str] = field(default_factory=list)  # derived from config.json; the checkpoint's wins
+    ngram_scales: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)  # checkpoint keys
+
+
+def _plan_load(reader: _Reader, params: dict, buffers: dict, quant_bases: set[str], used: set[str]) -> _LoadPlan:
+    plan = _LoadPlan()
     for name in reader.index:
-        bar.update()
-        if name in used:
+        if name in used or KV_SCALE.search(name):
             continue
-        key = reader.key(name)
         m = EXPERT_KEY.match(name)
         if m and m.group(1) not in quant_bases:
-            base, expert, part = m.group(1), int(m.group(2)), m.group(3)
-            gate_up, down = params.get(base + ".gate_up_proj"), params.get(base + ".down_proj")
-            if gate_up is None or expert >= gate_up.shape[0]:
-                unexpected.append(key)
-                continue
-            if reader.dtype(name) in QUANT_DTYPES:
-                raise CheckpointError(f"tensor {key} is quantized ({reader.dtype(name)}) but config.json names no "
-                                      "quantization of the routed experts (quantization_config)")
-            inter = down.shape[2]
-            tensor = shard_expert_part(part, reader.lazy(name), config)
-            if part == "down_proj":
-                check_shape(key, down[expert], tensor.shape)
-                down.data[expert].copy_(tensor)
+            gate_up = params.get(m.group(1) + ".gate_up_proj")
+            if gate_up is None or int(m.group(2)) >= gate_up.shape[0]:
+                plan.unexpected.append(reader.key(name))
             else:
-                rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
-                check_shape(key, gate_up[expert, rows], tensor.shape)
-                gate_up.data[expert, rows].copy_(tensor)
-            expert_parts[base].add((expert, part))
+                plan.experts.append((name, m.group(1), int(m.group(2)), m.group(3)))
             continue
         m = PLE_SHARD_KEY.match(name)
         if m:
-            ple_shards[m.group(1) + ".weight"].append((int(m.group(2)), name))
-            continue
-        if name.endswith("ngram_embedding.weight_scale") and name in buffers:
-            buffers[name].copy_(_scalar(reader, name))
-            filled.add(name)
-            continue
-        if KV_SCALE.search(name):
-            continue
-        if name.endswith(SCALE_SUFFIXES) and name.rsplit(".", 1)[0] + ".weight" in params:
+            plan.ple_shards[m.group(1) + ".weight"].append((int(m.group(2)), name))
+        elif name.endswith("ngram_embedding.weight_scale") and name in buffers:
+            plan.ngram_scales.append(name)
+        elif name.endswith(SCALE_SUFFIXES) and name.rsplit(".", 1)[0] + ".weight" in params:
             continue  # read with its weight
-        if name in params:
+        elif name in params:
+            plan.params.append(name)
+        elif name in buffers:
+            plan.buffers.append(name)
+        else:
+            plan.unexpected.append(reader.key(name))
+    return plan
+
+
+class _Fill:
+    """The fill of a model's tensors from a checkpoint along a :class:`_LoadPlan`, remembering what it filled."""
+
+    def __init__(self, model, config: ModelConfig, reader: _Reader, skip_ple_tables: bool):
+        self.model, self.config, self.reader, self.skip_ple_tables = model, config, reader, skip_ple_tables
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self.modules = dict(model.named_modules())
+        self.filled: set[str] = set()
+
+    def run(self) -> None:
+        reader = self.reader
+        if reader.skipped:
+            logger.info("not served: %d tensors of the checkpoint's multi-token prediction head (%s ...)",
+                        len(reader.skipped), reader.skipped[0])
+        self.vision()
+        quant_bases = {n for n, m in self.modules.items() if isinstance(m, RoutedExperts) and m.fmt is not None}
+        used: set[str] = set()
+        for base in sorted(quant_bases):
+            used |= _load_quant_experts(self.modules[base], base, reader, self.config)
+            self.filled.add(base)
+        plan = _plan_load(reader, self.params, self.buffers, quant_bases, used)
+        bar = progress(total=len(plan.experts) + len(plan.params) + len(plan.buffers), desc="loading weights",
+                       unit="tensor", show=tp().rank == 0)
+        self.experts(plan, bar)
+        self.dense(plan, bar)
+        bar.close()
+        for name, shards in plan.ple_shards.items():
+            self.ple_table(name, shards, plan)
+        self.check(plan)
+
+    def vision(self) -> None:
+        model, reader = self.model, self.reader
+        if model.visual is not None and not reader.vision:
+            logger.warning("config.json describes a vision tower but the checkpoint holds none of its tensors: "
+                           "serving text only")
+            model.visual = None
+        if model.visual is not None:
+            _load_vision(model.visual, reader)
+        elif reader.vision:
+            logger.info("not served: %d tensors of a vision tower config.json does not describe", len(reader.vision))
+
+    def experts(self, plan: _LoadPlan, bar) -> None:
+        """Unquantized routed experts, one part of one expert a tensor, into the stacked ``gate_up`` / ``down``."""
+        reader, parts = self.reader, defaultdict(set)
+        for name, base, expert, part in plan.experts:
+            key = reader.key(name)
+            if reader.dtype(name) in QUANT_DTYPES:
+                raise CheckpointError(f"tensor {key} is quantized ({reader.dtype(name)}) but config.json names no "
+                                      "quantization of the routed experts (quantization_config)")
+            gate_up, down = self.params[base + ".gate_up_proj"], self.params[base + ".down_proj"]
+            inter = down.shape[2]
+            tensor = shard_expert_part(part, reader.lazy(name), self.config)
+            if part == "down_proj":
+                _check_shape(key, down[expert], tensor.shape)
+                down.data[expert].copy_(tensor)
+            else:
+                rows = slice(0, inter) if part == "gate_proj" else slice(inter, 2 * inter)
+                _check_shape(key, gate_up[expert, rows], tensor.shape)
+                gate_up.data[expert, rows].copy_(tensor)
+            parts[base].add((expert, part))
+            bar.update()
+        num_experts = self.config.num_experts
+        for base, have in parts.items():
+            missing = sorted(f"{base}.{e}.{p}.weight" for e in range(num_experts)
+                             for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in have)
+            if missing:
+                raise CheckpointError(f"missing expert tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+            self.filled.update({base + ".gate_up_proj", base + ".down_proj"})
+
+    def dense(self, plan: _LoadPlan, bar) -> None:
+        """Parameters (quantized dense layers dequantized here, once), buffers and n-gram table scales."""
+        reader, params, buffers = self.reader, self.params, self.buffers
+        dequantized = 0
+        for name in plan.params:
             if reader.dtype(name) in QUANT_DTYPES and params[name].dtype not in QUANT_DTYPES:
                 values = _dequantize_linear(reader, name[: -len(".weight")], reader.read(name))
-                tensor = shard(name, values, config)
+                tensor = shard(name, values, self.config)
                 dequantized += values.numel()
             else:
-                tensor = shard(name, reader.lazy(name), config)
-            check_shape(key, params[name], tensor.shape)
+                tensor = shard(name, reader.lazy(name), self.config)
+            _check_shape(reader.key(name), params[name], tensor.shape)
             params[name].data.copy_(tensor)
-            filled.add(name)
-        elif name in buffers:
+            self.filled.add(name)
+            bar.update()
+        for name in plan.buffers:
             tensor = reader.read(name)
-            check_shape(key, buffers[name], tensor.shape)
+            _check_shape(reader.key(name), buffers[name], tensor.shape)
             if not torch.equal(tensor.to(buffers[name].device), buffers[name]):
-                logger.warning("%s differs from the value derived from config.json; using the checkpoint's", key)
+                logger.warning("%s differs from the value derived from config.json; using the checkpoint's",
+                               reader.key(name))
                 buffers[name].copy_(tensor)
-        else:
-            unexpected.append(key)
-    bar.close()
-    if dequantized:
-        logger.info("dequantized %.2f G values of quantized dense layers to %s at load (routed experts and "
-                    "n-gram tables stay as stored)", dequantized / 1e9, next(iter(params.values())).dtype)
+            bar.update()
+        for name in plan.ngram_scales:
+            buffers[name].copy_(_scalar(reader, name))
+            self.filled.add(name)
+        if dequantized:
+            logger.info("dequantized %.2f G values of quantized dense layers to %s at load (routed experts and "
+                        "n-gram tables stay as stored)", dequantized / 1e9, next(iter(params.values())).dtype)
 
-    for name, shards in ple_shards.items():
-        if name not in params:
-            unexpected.extend(reader.key(n) for _, n in shards)
-            continue
-        target = params[name]
+    def ple_table(self, name: str, shards: list[tuple[int, str]], plan: _LoadPlan) -> None:
+        """One n-gram table from its row shards (with ``skip_ple_tables`` only checked: it stays on disk)."""
+        reader = self.reader
+        if name not in self.params:
+            plan.unexpected.extend(reader.key(n) for _, n in shards)
+            return
+        target = self.params[name]
         stored = {reader.dtype(n) for _, n in shards}
         fp8 = target.dtype == torch.float8_e4m3fn
         if fp8 != (stored == {torch.float8_e4m3fn}):
@@ -643,16 +697,16 @@ def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: di
         scale_name = name[: -len(".weight")] + ".weight_scale"
         if fp8 and scale_name not in reader.index:
             raise CheckpointError(f"the FP8 n-gram table {name} has no {scale_name}")
-        if skip_ple_tables:
-            filled.add(name)
-            continue
-        shards.sort()
+        self.filled.add(name)
+        if self.skip_ple_tables:
+            return
+        shards = sorted(shards)
         indices = [i for i, _ in shards]
         if indices != list(range(len(shards))):
             raise CheckpointError(f"{name}: PLE shards {indices} are not numbered 0..{len(shards) - 1}")
         row = 0
         for _, shard_name in shards:
-            part = shard(name, reader.lazy(shard_name), config)
+            part = shard(name, reader.lazy(shard_name), self.config)
             if part.dim() != 2 or part.shape[1] != target.shape[1] or row + part.shape[0] > target.shape[0]:
                 raise CheckpointError(
                     f"tensor {reader.key(shard_name)} has shape {list(part.shape)}; the shards of {name} must stack "
@@ -662,31 +716,22 @@ def _load(model, config: ModelConfig, reader: _Reader, params: dict, buffers: di
             row += part.shape[0]
         if row != target.shape[0]:
             raise CheckpointError(f"the shards of {name} hold {row} rows, expected {target.shape[0]} from config.json")
-        filled.add(name)
 
-    num_experts = config.num_experts
-    for base, parts in expert_parts.items():
-        if len(parts) == 3 * num_experts:
-            filled.update({base + ".gate_up_proj", base + ".down_proj"})
-        else:
-            have = {e for e, _ in parts}
-            missing = sorted(
-                f"{base}.{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
-                if (e, p) not in parts
+    def check(self, plan: _LoadPlan) -> None:
+        """Nothing unexpected in the checkpoint, nothing of the model left unfilled."""
+        if plan.unexpected:
+            raise CheckpointError(
+                f"unexpected tensors in the checkpoint (not part of this config): {sorted(plan.unexpected)[:6]}"
+                f"{' ...' if len(plan.unexpected) > 6 else ''}"
             )
-            if len(have) and missing:
-                raise CheckpointError(f"missing expert tensors: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-    if unexpected:
-        raise CheckpointError(
-            f"unexpected tensors in the checkpoint (not part of this config): {sorted(unexpected)[:6]}"
-            f"{' ...' if len(unexpected) > 6 else ''}"
-        )
-    if config.tie_word_embeddings and "lm_head.weight" not in filled:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        filled.add("lm_head.weight")
-    missing = sorted(n for n in set(params) - filled if not n.startswith("visual."))  # the tower checks its own
-    if missing:
-        raise CheckpointError(f"missing tensors in the checkpoint: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
-    scales = sorted(n for n in buffers if n.endswith("ngram_embedding.weight_scale") and n not in filled)
-    if scales:
-        raise CheckpointError(f"missing tensors in the checkpoint: {scales[:6]}")
+        if self.config.tie_word_embeddings and "lm_head.weight" not in self.filled:
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
+            self.filled.add("lm_head.weight")
+        # the vision tower checks its own
+        missing = sorted(n for n in set(self.params) - self.filled if not n.startswith("visual."))
+        if missing:
+            raise CheckpointError(f"missing tensors in the checkpoint: {missing[:6]}"
+                                  f"{' ...' if len(missing) > 6 else ''}")
+        scales = sorted(n for n in self.buffers if n.endswith("ngram_embedding.weight_scale") and n not in self.filled)
+        if scales:
+            raise CheckpointError(f"missing tensors in the checkpoint: {scales[:6]}")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
-from .norm import l2_norm
+from .common import check_l2_group, l2_norm_groups
 
 
 def causal_conv1d(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor, dilation: int = 1,
@@ -57,18 +57,6 @@ def conv_history(x: torch.Tensor, history: torch.Tensor, upto: int) -> torch.Ten
 # --------------------------------------------------------------------------------------------------
 
 
-def row_segments(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Segment index of every row of a flat batch (int32 ``[num_rows]``), computed on the device.
-
-    Row ``t`` belongs to segment ``i`` when ``cu_seqlens[i] <= t < cu_seqlens[i + 1]``; counting the
-    segment ends ``<= t`` gives ``i`` (empty segments included). Every layer of one forward shares
-    ``cu_seqlens``, so a caller may compute this once and pass it as ``row_segment``.
-    """
-    ends = cu_seqlens[1:].contiguous()
-    rows = torch.arange(num_rows, device=cu_seqlens.device, dtype=ends.dtype)
-    return torch.searchsorted(ends, rows, right=True, out_int32=True)
-
-
 def _slot_windows(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """``[N, W, C]`` the old window of every segment's slot, zeros for fresh segments (states' dtype)."""
     windows = states.index_select(0, slots)
@@ -90,19 +78,6 @@ def _taps(rows: torch.Tensor, weight: torch.Tensor, dilation: int, length: int) 
         lo = j * dilation
         out.addcmul_(rows[..., lo:lo + length, :], w[j])
     return out
-
-
-def check_l2_group(channels: int, l2_group: int) -> None:
-    """Raise ``ValueError`` unless ``l2_group`` is 0 (no normalisation) or a positive divisor of ``channels``."""
-    if l2_group < 0 or (l2_group and channels % l2_group):
-        raise ValueError(f"l2_group={l2_group} must be 0 or a positive divisor of the channel count {channels}")
-
-
-def l2_norm_groups(out: torch.Tensor, l2_group: int) -> torch.Tensor:
-    """Each consecutive ``l2_group`` channels of every row of ``out`` L2-normalised by
-    :func:`~tidal.kernels.norm.l2_norm` in fp32, rounded back to ``out``'s dtype (``l2_group`` divides
-    the channel count: see :func:`check_l2_group`)."""
-    return l2_norm(out.float().unflatten(-1, (-1, l2_group))).flatten(-2).to(out.dtype)
 
 
 def causal_conv1d_varlen_ref(x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor,

@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .conv import check_l2_group, l2_norm_groups, row_segments
-from .norm import L2_NORM_EPS
+from .common import L2_NORM_EPS, check_l2_group, l2_norm_groups, row_segments
 from .pdl_triton import pdl_enter
 
 
@@ -131,7 +130,7 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
     rows of the flat batch, not segments. ``config`` overrides :data:`VARLEN_CONFIG`. An ``l2_group``
     that is a power of two up to :data:`MAX_FUSED_L2_GROUP` is normalised in the kernel's epilogue,
     with ``BLOCK_C`` at least ``l2_group`` (``BLOCK_T`` shrunk to keep the tile's size where it
-    widens); any other is normalised by :func:`tidal.kernels.conv.l2_norm_groups` after the kernel.
+    widens); any other is normalised by :func:`tidal.kernels.common.l2_norm_groups` after the kernel.
     """
     del max_seqlen
     num_rows, channels = x.shape

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
-from .norm import l2_norm
+from .common import l2_norm
 
 
 def gdn_gates_ref(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor

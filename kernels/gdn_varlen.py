@@ -16,8 +16,9 @@ import logging
 import torch
 
 from .backend import next_pow2, use_triton
+from .common import l2_norm
 from .gdn import chunk_gated_delta_rule, gdn_decode_ref, gdn_gates
-from .norm import gated_rms_norm, l2_norm
+from .norm import gated_rms_norm
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .common import MAX_K
 
 # Rows up to which a CUDA projection takes the GEMV (measured with ``benchmarks/bench_decode_kernels.py
-# --parts gemv``; beyond it each extra row costs the kernel more than cuBLAS' whole GEMM), the widest
-# reduction it takes (a weight row is one register tile), and the most rows a launch serves.
+# --parts gemv``; beyond it each extra row costs the kernel more than cuBLAS' whole GEMM).
 GEMV_ROWS = 2
-MAX_K = 16384
-MAX_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

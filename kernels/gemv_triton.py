@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemv import MAX_K, MAX_ROWS
+from .common import MAX_K, MAX_ROWS
 from .pdl_triton import pdl_launch_next, pdl_wait
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .common import MAX_WIDTH
 from .norm import rms_norm_ref
 
 # Rows up to which a CUDA ``GatedResidual.residual_mix`` runs as two weight-streaming Triton launches
@@ -75,8 +76,10 @@ def hc_block_input(normed: torch.Tensor, up_out: torch.Tensor, hc: int) -> torch
 
 def hc_residual_norm(streams: torch.Tensor, block_out: torch.Tensor, inject_logits: torch.Tensor, hc: int,
                      norm_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`hc_residual_norm_ref`, by one fused Triton pass for CUDA tensors of one dtype."""
-    if use_triton(streams, "hc") and block_out.dtype == streams.dtype and inject_logits.dtype == streams.dtype:
+    """:func:`hc_residual_norm_ref`, by one fused Triton pass for CUDA tensors of one dtype and stream slices of
+    at most :data:`~tidal.kernels.common.MAX_WIDTH` features."""
+    if (use_triton(streams, "hc") and block_out.dtype == streams.dtype and inject_logits.dtype == streams.dtype
+            and streams.shape[-1] // hc <= MAX_WIDTH):
         from .hyper_connection_triton import hc_residual_norm_triton
 
         return hc_residual_norm_triton(streams, block_out, inject_logits, hc, norm_weight, eps)

@@ -28,11 +28,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemv import MAX_K, MAX_ROWS
-from .hyper_connection import hc_residual_norm_ref
+from .common import MAX_K, MAX_ROWS, MAX_WIDTH
 from .pdl_triton import pdl_launch_next, pdl_wait
-
-MAX_HIDDEN = 16384  # one stream slice is normalised in registers; wider ones take the reference
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -143,8 +140,8 @@ def hc_norm_down_triton(streams: torch.Tensor, pending: tuple[torch.Tensor, torc
     if hidden * hc != width or weight.shape[1] != width or norm_weight.numel() != width:
         raise ValueError(f"streams {tuple(streams.shape)}, norm weight {tuple(norm_weight.shape)} and weight "
                          f"{tuple(weight.shape)} do not fit hc={hc}")
-    if rows > MAX_ROWS or hidden > MAX_HIDDEN:
-        raise ValueError(f"hc_norm_down_triton takes at most {MAX_ROWS} rows and {MAX_HIDDEN} features a stream, "
+    if rows > MAX_ROWS or hidden > MAX_WIDTH:
+        raise ValueError(f"hc_norm_down_triton takes at most {MAX_ROWS} rows and {MAX_WIDTH} features a stream, "
                          f"got {rows} x {hidden}")
     h2 = _rows(streams, width)
     if pending is None:
@@ -198,8 +195,8 @@ def hc_residual_norm_triton(streams: torch.Tensor, block_out: torch.Tensor, inje
                          f"inject_logits {tuple(inject_logits.shape)} do not fit hc={hc}")
     if not block_out.dtype == inject_logits.dtype == streams.dtype:
         raise ValueError("streams, block_out and inject_logits must share a dtype")
-    if hidden > MAX_HIDDEN:
-        return hc_residual_norm_ref(streams, block_out, inject_logits, hc, norm_weight, eps)
+    if hidden > MAX_WIDTH:
+        raise ValueError(f"hc_residual_norm_triton takes at most {MAX_WIDTH} features a stream, got {hidden}")
     new = torch.empty(streams.shape, dtype=streams.dtype, device=streams.device)
     normed = torch.empty_like(new)
     h2, b2, l2 = _rows(streams, width), _rows(block_out, hidden), _rows(inject_logits, hc)
@@ -305,7 +302,7 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
 def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
                        block_h: int = 1, num_warps: int = 1) -> torch.Tensor:
     """``hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)`` in one launch, for the
-    few rows of a decode step (at most :data:`tidal.kernels.gemv.MAX_ROWS`).
+    few rows of a decode step (at most :data:`tidal.kernels.common.MAX_ROWS`).
 
     ``down_out [M, lowrank]`` (any row stride, unit column stride: a column slice of the ``[down; inject]``
     GEMV's output), ``up_weight [hc * hidden, lowrank]``, ``normed [M, hc * hidden]``, one dtype. A

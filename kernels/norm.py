@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .common import MAX_WIDTH
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
@@ -41,8 +42,9 @@ def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
-    """:func:`rms_norm_ref`, by a Triton kernel for CUDA tensors."""
-    if use_triton(x, "norm"):
+    """:func:`rms_norm_ref`, by a Triton kernel for CUDA tensors whose groups have at most
+    :data:`~tidal.kernels.common.MAX_WIDTH` features."""
+    if use_triton(x, "norm") and (group_size or x.shape[-1]) <= MAX_WIDTH:
         from .norm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, group_size)
@@ -51,16 +53,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
                    activation: str = "silu") -> torch.Tensor:
-    """:func:`gated_rms_norm_ref`, by a Triton kernel for CUDA tensors."""
-    if use_triton(x, "norm"):
+    """:func:`gated_rms_norm_ref`, by a Triton kernel for CUDA tensors of at most
+    :data:`~tidal.kernels.common.MAX_WIDTH` features a row and a gate of ``x``'s shape."""
+    if use_triton(x, "norm") and x.shape[-1] <= MAX_WIDTH and gate.shape == x.shape:
         from .norm_triton import gated_rms_norm_triton
 
         return gated_rms_norm_triton(x, gate, weight, eps, activation)
     return gated_rms_norm_ref(x, gate, weight, eps, activation)
-
-
-L2_NORM_EPS = 1e-6
-
-
-def l2_norm(x: torch.Tensor, eps: float = L2_NORM_EPS) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

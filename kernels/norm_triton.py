@@ -16,10 +16,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .norm import gated_rms_norm_ref, rms_norm_ref
+from .common import MAX_WIDTH
 from .pdl_triton import pdl_enter
-
-MAX_WIDTH = 16384  # widest row (or group) normalised in registers; wider ones take the reference
 
 
 def _tile(width: int, rows: int) -> tuple[int, int, int]:
@@ -95,7 +93,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, group_siz
     if group <= 0 or width % group:
         raise ValueError(f"group_size {group_size} does not divide the width {width}")
     if group > MAX_WIDTH:
-        return rms_norm_ref(x, weight, eps, group_size)
+        raise ValueError(f"rms_norm_triton takes groups of at most {MAX_WIDTH} features, got {group}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x2 = _rows(x, width)
     n = x2.shape[0] * (width // group)
@@ -124,7 +122,8 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     """
     width = x.shape[-1]
     if width > MAX_WIDTH or gate.shape != x.shape:
-        return gated_rms_norm_ref(x, gate, weight, eps, activation)
+        raise ValueError(f"gated_rms_norm_triton takes rows of at most {MAX_WIDTH} features and a gate of x's "
+                         f"shape, got {tuple(x.shape)} and {tuple(gate.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x3, g3 = _heads(x), _heads(gate)
     n = x3.shape[0] * x3.shape[1]

@@ -13,6 +13,7 @@ import math
 import torch
 
 from .backend import use_triton
+from .common import MAX_WIDTH
 from .norm import rms_norm_ref
 
 
@@ -35,8 +36,10 @@ def ple_gate_ref(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Tensor
 
 def ple_gate(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Tensor, key_weight: torch.Tensor,
              conv_weight: torch.Tensor, hc: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ple_gate_ref`, by one Triton pass for CUDA tensors of one dtype."""
-    if use_triton(value, "ple") and key_raw.dtype == query.dtype == value.dtype:
+    """:func:`ple_gate_ref`, by one Triton pass for CUDA tensors of one dtype with unit feature strides and
+    stream slices of at most :data:`~tidal.kernels.common.MAX_WIDTH` features."""
+    if (use_triton(value, "ple") and key_raw.dtype == query.dtype == value.dtype and value.shape[-1] <= MAX_WIDTH
+            and all(t.stride(-1) == 1 for t in (key_raw, query, value))):
         from .ple_triton import ple_gate_triton
 
         return ple_gate_triton(key_raw, query, value, key_weight, conv_weight, hc, eps)

@@ -16,10 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import MAX_WIDTH
 from .hyper_connection_triton import stream_slice
-from .ple import ple_gate_ref
-
-MAX_HIDDEN = 16384  # one stream slice is held in registers; wider ones take the reference
 
 
 @triton.jit
@@ -58,8 +56,8 @@ def ple_gate_triton(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Ten
                          f"norm weights {key_weight.numel()}, {conv_weight.numel()} do not fit hc={hc}")
     if not key_raw.dtype == query.dtype == value.dtype:
         raise ValueError("key, query and value must share a dtype")
-    if hidden > MAX_HIDDEN or min(t.stride(-1) for t in (key_raw, query, value)) != 1:
-        return ple_gate_ref(key_raw, query, value, key_weight, conv_weight, hc, eps)
+    if hidden > MAX_WIDTH or min(t.stride(-1) for t in (key_raw, query, value)) != 1:
+        raise ValueError(f"ple_gate_triton takes at most {MAX_WIDTH} features a stream and unit feature strides")
     gated = torch.empty(rows, width, dtype=value.dtype, device=value.device)
     normed = torch.empty_like(gated)
     if rows == 0:

@@ -6,6 +6,7 @@ decode to the socket's union is dropped with a log line rather than crashing the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -188,6 +189,36 @@ def die_with_parent() -> None:
         pass
     if os.getppid() == 1:  # the parent is already gone
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def end_children(wait: float = 1.0) -> None:
+    """End the processes this one started through ``multiprocessing`` (tokenizer workers, compile workers)
+    and its resource tracker, and reap them, waiting up to ``wait`` seconds each: a process that leaves by
+    ``os._exit`` would otherwise leave them to init, which may not reap (PID 1 of a container)."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(wait)
+        if child.exitcode is None:
+            child.kill()
+            child.join(wait)
+    if any(child.exitcode is None for child in children):
+        return  # the tracker waits for every holder of its pipe
+    tracker = getattr(resource_tracker, "_resource_tracker", None)
+    if tracker is not None and getattr(tracker, "_pid", None) is not None:
+        with contextlib.suppress(Exception):
+            tracker._stop()  # closes its pipe (it exits on EOF) and reaps it
+
+
+def exit_now(code: int) -> None:
+    """``os._exit(code)`` once this process's children are ended and reaped (:func:`end_children`)."""
+    with contextlib.suppress(Exception):
+        end_children()
+    os._exit(code)
 
 
 def setup_logging(level: str, role: str) -> None:

@@ -14,8 +14,11 @@ import os
 import signal
 import sys
 
+import zmq
+
 from ..config.server_args import ServerArgs
-from .ipc import die_with_parent, set_process_name, setup_logging
+from .ipc import die_with_parent, exit_now, set_process_name, setup_logging
+from .supervisor import Member
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,24 @@ def run(role: str, args: ServerArgs, model_path: str, rank: int = 0) -> None:
     fn(args, model_path, *extra)
 
 
+def run_role(role: str, rank: int, member: Member, model_path: str) -> None:
+    """Run ``role`` with ``member`` beside it until the role ends; the member then ends the process."""
+    member.start()
+    try:
+        run(role, member.role_args(), model_path, rank)
+        member.role_ended(0, None)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        member.role_ended(code, None if code == 0 else str(e.code))
+    except zmq.ZMQError as e:  # an address that cannot be bound or reached: no traceback
+        logger.error("%s: %s", member.name_, e)
+        member.role_ended(1, f"ZMQError: {e}")
+    except Exception as e:
+        logger.exception("%s failed", member.name_)
+        member.role_ended(1, f"{type(e).__name__}: {e}")
+    member.done.wait()
+
+
 def main(argv: list[str]) -> int:
     role = argv[0]
     rank = int(argv[1]) if len(argv) > 1 else 0
@@ -51,7 +72,7 @@ def main(argv: list[str]) -> int:
     # `tidal serve` stops its processes itself: Ctrl-C in a terminal reaches the whole group, but only
     # `serve` acts on it; SIGTERM (from `serve`) ends a role at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     if role not in ROLES:
         setup_logging("info", name)
         logger.error("unknown role %r", role)
@@ -67,8 +88,6 @@ def main(argv: list[str]) -> int:
         data = os.environ["TIDAL_SERVER_ARGS"].encode()
     args = ServerArgs.from_json(data)
     setup_logging(args.log_level, name)
-    from .supervisor import Member, run_role
-
     run_role(role, rank, Member(name, args), os.environ["TIDAL_MODEL_PATH"])
     return 1  # the member ends the process
 

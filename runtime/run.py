@@ -45,8 +45,8 @@ import zmq
 from ..config.server_args import ArgsError, ServerArgs, add_server_flags
 from .demo import checkpoint_path
 from .ipc import set_process_name, setup_logging
-from .roles import ROLES, member_name
-from .supervisor import Member, Supervisor, run_role
+from .roles import ROLES, member_name, run_role
+from .supervisor import Member, Supervisor
 
 logger = logging.getLogger(__name__)
 

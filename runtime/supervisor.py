@@ -58,7 +58,7 @@ from ..messages import (
     Shutdown,
     encode,
 )
-from .ipc import PeerStuck, Pull, Push
+from .ipc import PeerStuck, Pull, Push, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class Member(threading.Thread):
         self.done.set()
         if self.owns_process:
             logging.shutdown()
-            os._exit(code)
+            exit_now(code)
         raise SystemExit(code)
 
     def leave(self, code: int, state: MemberState, error: str = "") -> None:
@@ -246,26 +246,6 @@ class Member(threading.Thread):
                 self.beat()
                 next_beat = now + heartbeat_interval(args.heartbeat_timeout)
             poller.poll(100)
-
-
-def run_role(role: str, rank: int, member: Member, model_path: str) -> None:
-    """Run ``role`` with ``member`` beside it until the role ends; the member then ends the process."""
-    from .roles import run
-
-    member.start()
-    try:
-        run(role, member.role_args(), model_path, rank)
-        member.role_ended(0, None)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        member.role_ended(code, None if code == 0 else str(e.code))
-    except zmq.ZMQError as e:  # an address that cannot be bound or reached: no traceback
-        logger.error("%s: %s", member.name_, e)
-        member.role_ended(1, f"ZMQError: {e}")
-    except Exception as e:
-        logger.exception("%s failed", member.name_)
-        member.role_ended(1, f"{type(e).__name__}: {e}")
-    member.done.wait()
 
 
 # ---- the supervisor -----------------------------------------------------------------------------

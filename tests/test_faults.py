@@ -348,3 +348,58 @@ def test_the_kept_frontend_is_heard_across_a_restart_longer_than_the_heartbeat_t
         sup.control.close()
         sup.to_frontend.close()
         ctx.destroy(0)
+
+
+REAPED = """
+import ctypes, json, os, signal, sys, time
+from tidal.bench.server import Server
+
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the server come here, unreaped
+
+
+def descendants():
+    out, todo = {}, [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+                except (OSError, IndexError, ValueError):
+                    continue
+                state, ppid = rest.split()[:2]
+                if int(ppid) == parent:
+                    out[int(entry)] = (comm, state)
+                    todo.append(int(entry))
+    return out
+
+
+srv = Server(sys.argv[1], served_model_name="tiny")
+status, _ = srv.post("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 2})
+tree = sorted(comm for comm, _ in descendants().values())
+srv.proc.send_signal(signal.SIGTERM)
+srv.proc.wait(30)
+deadline = time.monotonic() + 2
+while (left := descendants()) and time.monotonic() < deadline:
+    time.sleep(0.05)
+for pid in left:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+print(json.dumps({"status": status, "tree": tree, "code": srv.proc.returncode, "left": sorted(left.values())}))
+"""
+
+
+def test_after_sigterm_no_process_of_the_server_is_left_alive_or_unreaped(tiny_checkpoint):
+    """``tidal serve`` under a subreaper that never reaps (as PID 1 of a container may be): within 2 s of its exit
+    every process it started, its processes' own children included (the tokenizer workers, multiprocessing's
+    resource tracker), has ended and been reaped by its parent."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", REAPED, tiny_checkpoint], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["status"] == 200 and out["code"] == 0, out
+    assert sum(name.startswith("tidal-tokenize") for name in out["tree"]) == 2, out["tree"]  # grandchildren seen
+    assert out["left"] == [], out

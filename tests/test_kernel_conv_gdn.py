@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 
 from tidal.kernels import conv as conv_ops  # noqa: E402
 from tidal.kernels import conv_triton, gdn_decode_triton  # noqa: E402
+from tidal.kernels.common import l2_norm  # noqa: E402
 from tidal.kernels.conv import causal_conv1d, conv_history  # noqa: E402
 from tidal.kernels.gdn import gdn_decode_ref, recurrent_gated_delta_rule  # noqa: E402
-from tidal.kernels.norm import l2_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [1, 2, 5, 37, 1]

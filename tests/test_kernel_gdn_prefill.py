@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tidal.kernels.common import l2_norm
 from tidal.kernels.gdn import recurrent_gated_delta_rule
 from tidal.kernels.gdn_varlen import gdn_prefill, gdn_prefill_ref
-from tidal.kernels.norm import l2_norm
 
 
 def _inputs(lengths, hk, hv, dk, dv, device, dtype, seed=0):

@@ -1,8 +1,9 @@
-"""Quantized checkpoints in the published layouts (ModelOpt NVFP4, Qwen block FP8), written by tidal's writer and by
-an independent quantizer (NVIDIA ModelOpt's ``NVFP4QTensor``), against transformers' ``Qwen4ExpForCausalLM`` on the
-exact dequantization of the same tensors (ModelOpt's own dequantizer for NVFP4, transformers' fine-grained FP8
-dequantizer for FP8), in float32 on the CPU; and tidal's greedy ids the same cold, chunked, after a prefix-cache hit,
-with offload, with every PLE backend, under ``--tp 2`` and through ``tidal serve``."""
+"""Quantized checkpoints in the published layouts (ModelOpt NVFP4 and MIXED_PRECISION, Qwen/DeepSeek block FP8),
+most made by an independent quantizer (NVIDIA ModelOpt's ``NVFP4QTensor`` and ``FP8QTensor``), some by tidal's
+writer, against transformers' ``Qwen4ExpForCausalLM`` on the exact dequantization of the same tensors (ModelOpt's
+dequantizers for NVFP4 and the FP8 n-gram tables, transformers' fine-grained FP8 dequantizer for block FP8), in
+float32 on the CPU; and tidal's greedy ids the same cold, chunked, after a prefix-cache hit, with offload, with every
+PLE backend, under ``--tp 2`` and through ``tidal serve``."""
 
 from __future__ import annotations
 
@@ -47,33 +48,108 @@ def _copy_dir(src: str, dst: str) -> None:
             shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
 
 
-def modelopt_nvfp4(source: str, out: str) -> str:
-    """The ModelOpt NVFP4 export of a dense checkpoint's routed experts, made with ModelOpt's ``NVFP4QTensor``
-    (``quant_algo NVFP4`` with every other module excluded by glob)."""
+def _ngram_tables(tensors: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Each n-gram table's shard keys, by the table's key prefix."""
+    tables: dict[str, list[str]] = {}
+    for key in tensors:
+        if PLE_SHARD_KEY.match(canonical_name(key) or key):
+            tables.setdefault(key[: key.index(".shard_")], []).append(key)
+    return tables
+
+
+def _modelopt_fp8_tables(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every n-gram table in FP8 with one scale over all its shards, by ModelOpt's ``FP8QTensor``."""
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
+
+    out = {}
+    for table, keys in _ngram_tables(tensors).items():
+        _, scale = FP8QTensor.quantize(torch.cat([tensors[k].float() for k in keys]))
+        for key in keys:
+            out[key] = FP8QTensor.quantize(tensors[key].float(), scales=scale)[0]._quantized_data.contiguous()
+        out[table + ".weight_scale"] = scale.float().reshape(())
+    return out
+
+
+def _write_quant_config(out: str, quant: dict, hf_quant: bool = True) -> None:
+    """``quant`` as ``config.json``'s ``quantization_config`` and, for ModelOpt, in ``hf_quant_config.json``."""
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"] = quant if not hf_quant else {"quant_method": "modelopt", **quant}
+    with open(path, "w") as f:
+        json.dump(config, f)
+    if hf_quant:
+        with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": {"name": "modelopt"}, "quantization": quant}, f)
+
+
+def modelopt_nvfp4(source: str, out: str, mixed: bool = False) -> str:
+    """The ModelOpt NVFP4 export of a dense checkpoint's routed experts, made with ModelOpt's ``NVFP4QTensor``:
+    ``quant_algo NVFP4`` with every other module excluded by glob, or (``mixed``) ``MIXED_PRECISION`` with the
+    n-gram tables in FP8 too (ModelOpt's ``FP8QTensor``, one scale a table)."""
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     _copy_dir(source, out)
-    tensors = {}
-    for key, t in _tensors(source).items():
-        if EXPERT_KEY.match(canonical_name(key) or key):
+    tensors, layers = _tensors(source), {}
+    for key, t in list(tensors.items()):
+        m = EXPERT_KEY.match(canonical_name(key) or key)
+        if m:
             q, scale, scale_2 = NVFP4QTensor.quantize(t.float().clone(), 16)
             base = key[: -len("weight")]
             tensors.update({key: q._quantized_data, base + "weight_scale": scale,
                             base + "weight_scale_2": scale_2.reshape(()), base + "input_scale": torch.tensor(1.0)})
-        else:
-            tensors[key] = t
+            layers[key[: key.index(".experts.") + len(".experts")]] = {"quant_algo": "NVFP4", "group_size": 16}
+    if mixed:
+        fp8 = _modelopt_fp8_tables(tensors)
+        tensors.update(fp8)
+        layers.update({k[: -len(".weight_scale")]: {"quant_algo": "FP8"} for k in fp8 if k.endswith(".weight_scale")})
+        quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": layers}
+    else:
+        quant = {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                 "exclude_modules": ["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*",
+                                     "*mlp.gate", "*hyper_connection*", "*ple*"]}
     save_file(tensors, os.path.join(out, "model.safetensors"))
-    quant = {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-             "exclude_modules": ["lm_head", "*embed_tokens*", "*self_attn*", "*linear_attn*", "*shared_expert*",
-                                 "*mlp.gate", "*hyper_connection*", "*ple*"]}
-    with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
-        json.dump({"producer": {"name": "modelopt"}, "quantization": quant}, f)
+    _write_quant_config(out, quant)
+    return out
+
+
+def _fp8_blocks(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in FP8 with one scale per 128 x 128 block (ModelOpt's ``FP8QTensor``), the scales stored in
+    ``scale_dtype``: rounded up to it first, so that no value passes 448."""
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
+
+    blocks = {-1: 128, -2: 128}
+    _, scale = FP8QTensor.quantize(weight.float(), block_sizes=blocks)
+    stored = (scale * (1 + 2 ** -7)).to(scale_dtype) if scale_dtype != torch.float32 else scale
+    q, _ = FP8QTensor.quantize(weight.float(), scales=stored.float(), block_sizes=blocks)
+    return q._quantized_data.contiguous(), stored
+
+
+def modelopt_fp8(source: str, out: str, scale_dtype: torch.dtype = torch.bfloat16) -> str:
+    """A block-FP8 checkpoint (``quant_method fp8``, 128 x 128 blocks, as Qwen's and DeepSeek's releases) made with
+    ModelOpt's ``FP8QTensor``: the routed experts, the attention and shared-expert projections (which tidal
+    dequantizes at load) in blocks, each n-gram table with one scale; the rest in float."""
+    _copy_dir(source, out)
+    tensors = _tensors(source)
+    for key, t in list(tensors.items()):
+        name = canonical_name(key) or key
+        dense = (".self_attn." in name or ".shared_expert." in name) and name.endswith("_proj.weight")
+        if (EXPERT_KEY.match(name) or dense) and t.dim() == 2:
+            tensors[key], tensors[key[: -len("weight")] + "weight_scale_inv"] = _fp8_blocks(t, scale_dtype)
+    tensors.update(_modelopt_fp8_tables(tensors))
+    save_file(tensors, os.path.join(out, "model.safetensors"))
+    _write_quant_config(out, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "hyper_connection",
+                                   "linear_attn", "ple.key_proj", "ple.value_proj", "ple.conv1d"],
+        "modules_to_convert": ["ple.ple_embedding.ngram_embedding"]}, hf_quant=False)
     return out
 
 
 def dequantized(quantized: str, out: str) -> str:
-    """A dense float32 checkpoint with the exact values of a quantized one's tensors: NVFP4 through ModelOpt's
-    dequantizer, block FP8 through transformers', FP8 n-gram rows times their scale."""
+    """A dense float32 checkpoint with the exact values of a quantized one's tensors: NVFP4 and the FP8 n-gram
+    tables through ModelOpt's dequantizers, block FP8 through transformers'."""
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
@@ -96,7 +172,7 @@ def dequantized(quantized: str, out: str) -> str:
                                       double_scale=src[base + "weight_scale_2"], block_sizes={-1: 16})
         elif t.dtype == torch.float8_e4m3fn and PLE_SHARD_KEY.match(name):
             table = key[: key.index(".shard_")]
-            dense[key] = t.float() * src[table + ".weight_scale"].float()
+            dense[key] = FP8QTensor(t.shape, torch.float32, t).dequantize(scale=src[table + ".weight_scale"].float())
         elif t.dtype == torch.float8_e4m3fn:
             dense[key] = _dequantize_fp8_weight(t, src[base + "weight_scale_inv"], [128, 128], torch.float32)
         else:
@@ -129,27 +205,18 @@ def stacked(quantized: str, out: str) -> str:
     return out
 
 
+# name: (dense source, format, writer). Most are quantized by ModelOpt's quantizers (an implementation apart from
+# tidal's writer); one a format by tidal's writer (``tidal checkpoint --quantize``).
 CASES = {
     "tidal_tiny_nvfp4": ("tiny", "nvfp4", "tidal"),
     "tidal_tiny_fp8": ("tiny", "fp8", "tidal"),
     "modelopt_hc3_ngram4": ("hf_hc3_ngram4", "nvfp4", "modelopt"),
-    "tidal_from_tied_fp8": ("hf_kernels_tied", "fp8", "tidal"),
-    "tidal_from_composite_fp8": ("hf_hc2_gqa4", "fp8", "tidal"),
+    "modelopt_fp8_from_tied": ("hf_kernels_tied", "fp8", "modelopt"),
+    "modelopt_fp8_composite": ("hf_hc2_gqa4", "fp8", "modelopt"),
     "stacked_nvfp4": ("tiny", "nvfp4", "stacked"),
     "fp32_scales_fp8": ("hf_hc3_ngram4", "fp8", "fp32_scales"),
     "config_json_only_nvfp4": ("hf_kernels_tied", "nvfp4", "config_json_only"),
 }
-
-
-def fp32_scales(path: str) -> str:
-    """Block scales stored in fp32, as DeepSeek's FP8 exports have them (Qwen's are bf16)."""
-    tensors = {k: (t.float() if k.endswith("weight_scale_inv") else t) for k, t in _tensors(path).items()}
-    assert any(k.endswith("weight_scale_inv") for k in tensors)
-    for file in os.listdir(path):
-        if file.endswith(".safetensors") or file == "model.safetensors.index.json":
-            os.remove(os.path.join(path, file))
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    return path
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -157,14 +224,15 @@ def case(request, tmp_path_factory, hf_checkpoints, tiny_checkpoint):
     source, fmt, writer = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     dense = tiny_checkpoint if source == "tiny" else hf_checkpoints[source]
-    if writer == "modelopt":
-        path = modelopt_nvfp4(dense, str(root / "q"))
-    elif source == "tiny":
-        path = write_checkpoint("tiny", str(root / "q"), seed=0, quantize=fmt)
+    q = str(root / "q")
+    if writer == "tidal" and source == "tiny":
+        path = write_checkpoint("tiny", q, seed=0, quantize=fmt)
+    elif writer == "tidal":
+        path = write_checkpoint(None, q, quantize=fmt, source=dense)
+    elif fmt == "fp8":  # block scales in bf16 as Qwen's releases, or (fp32_scales) in fp32 as DeepSeek's
+        path = modelopt_fp8(dense, q, torch.float32 if writer == "fp32_scales" else torch.bfloat16)
     else:
-        path = write_checkpoint(None, str(root / "q"), quantize=fmt, source=dense)
-    if writer == "fp32_scales":
-        fp32_scales(path)
+        path = modelopt_nvfp4(dense, q, mixed=writer != "modelopt")
     if writer == "config_json_only":  # the quantization config in config.json alone, no hf_quant_config.json
         os.remove(os.path.join(path, "hf_quant_config.json"))
         assert "quantization_config" in json.load(open(os.path.join(path, "config.json")))

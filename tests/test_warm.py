@@ -2,8 +2,9 @@
 served batch can meet, and its forwards leave nothing behind that changes what requests generate.
 
 (On a GPU the server's ``tidal_compilations_after_ready_total`` and
-``tidal_graph_captures_after_ready_total`` count what it missed; ``tests/test_forward_gpu.py`` checks
-they stay 0.)
+``tidal_graph_captures_after_ready_total`` count what it missed;
+``test_no_compilation_or_capture_after_the_warm_up_gpu`` checks a workload leaves them at 0, and that a kernel
+specialization the warm-up never met does count.)
 """
 
 from __future__ import annotations
@@ -173,7 +174,12 @@ prompts = [torch.randint(1000, 240000, (n,), generator=gen).tolist() for n in (1
 llm.generate(prompts, max_tokens=20, ignore_eos=True)
 llm.generate(prompts[:5] + [prompts[5] + prompts[0]], max_tokens=30, ignore_eos=True)  # cache hits
 llm.generate(prompts[:3], max_tokens=12, temperature=0.8, top_p=0.9, top_k=30, seed=1)
-print(json.dumps([before, counter.after_ready(), counter.missed]))
+after, missed = list(counter.after_ready()), list(counter.missed)
+from tidal.kernels.norm_triton import rms_norm_triton
+x = torch.randn(3, 40, device="cuda")  # float32: the bfloat16 model never launches it so
+rms_norm_triton(x, torch.zeros(40, device="cuda"), 1e-6)
+torch.cuda.synchronize()
+print(json.dumps([before, after, missed, list(counter.after_ready())]))
 """
 
 
@@ -181,7 +187,8 @@ print(json.dumps([before, counter.after_ready(), counter.missed]))
 def test_no_compilation_or_capture_after_the_warm_up_gpu(tiny_checkpoint):
     """In a fresh process (Triton's in-memory kernel cache empty), a workload of prompt lengths 1 to 3000,
     1 to 7 running requests, greedy and filtered sampling and prefix-cache hits
-    compiles no kernel and captures no graph after the warm-up."""
+    compiles no kernel and captures no graph after the warm-up; a launch the warm-up never met (a float32 norm)
+    then counts as one compiled after ready."""
     import json
     import subprocess
     import sys
@@ -189,9 +196,10 @@ def test_no_compilation_or_capture_after_the_warm_up_gpu(tiny_checkpoint):
     run = subprocess.run([sys.executable, "-c", WORKLOAD, tiny_checkpoint], capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    before, after, missed = json.loads(run.stdout.strip().splitlines()[-1])
+    before, after, missed, control = json.loads(run.stdout.strip().splitlines()[-1])
     assert before[0] > 0 and before[1] > 0, before  # the counters count: the warm-up compiled and captured
     assert after == [0, 0], missed
+    assert control[0] >= 1 and control[1] == 0, control  # and they count after ready: the control launch is seen
 
 
 def test_compile_cache_directory(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.backend import next_pow2, use_triton
-from ...kernels.gemv import MAX_K
+from ...kernels.common import MAX_K
 from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
@@ -92,7 +92,7 @@ class GatedResidual(nn.Module):
         :meth:`mix`. A decode step's few rows (at most ``MIX_GEMV_ROWS``) on the GPU take two weight-streaming
         launches: the residual, the norm and the ``[down; inject]`` projection in one, whose programs each
         normalise the rows themselves; then the gate, the ``up`` projection and the gated mean in one (a row's
-        streams, padded to powers of two, up to ``kernels.gemv.MAX_K`` features)."""
+        streams, padded to powers of two, up to ``kernels.common.MAX_K`` features)."""
         dtype = streams.dtype
         if (tp().size == 1 and use_triton(streams, "hc") and streams.dim() == 2 and streams.shape[0] <= MIX_GEMV_ROWS
                 and dtype == self.input_mix_weight_up.weight.dtype and self.lowrank <= MAX_K
