@@ -218,7 +218,6 @@ def test_the_compose_mesh_serves_fails_over_and_stops(engine, tmp_path):
 
     from tidal import LLM
     from tidal.executor.presets import write_checkpoint
-    from tidal.runtime.demo import DEMO_PRESET
 
     # The build context: the tree as a user has it, with the host's CPU torch wheel in docker/wheels/.
     context = os.path.join(engine.dir, "context")
@@ -227,9 +226,10 @@ def test_the_compose_mesh_serves_fails_over_and_stops(engine, tmp_path):
     run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--python-version", "3.11",
          "--only-binary=:all:", f"torch=={torch.__version__}", "-d", wheels], os.environ, 600)
     assert [n for n in os.listdir(wheels) if n.startswith("torch-")], os.listdir(wheels)
-    # The demo checkpoint, readable by the containers' user.
+    # The tiny checkpoint (the demo's tokenizer and chat template, the smallest model), readable by the
+    # containers' user.
     model = os.path.join(engine.dir, "model")
-    write_checkpoint(DEMO_PRESET, model, seed=0)
+    write_checkpoint("tiny", model, seed=0)
     os.chmod(engine.dir, 0o755)
     for dirpath, _, files in os.walk(model):
         os.chmod(dirpath, 0o755)

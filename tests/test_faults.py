@@ -136,29 +136,35 @@ def test_hung_executor_is_noticed(tiny_checkpoint):
     assert srv.stop() == []
 
 
-@pytest.mark.parametrize("victim", ["executor-0", "detokenizer", "scheduler"])
-def test_killed_process_fails_requests_and_mesh_restarts(tiny_checkpoint, victim):
+@pytest.fixture(scope="module")
+def restarting(tiny_checkpoint):
+    """One ``--restart-on-failure`` server for the kills below, one after another: each restart must leave a mesh
+    that survives the next."""
     srv = Server(tiny_checkpoint, "--restart-on-failure")
-    try:
-        first = threading.Event()
-        thread, result = in_background(stream_events, srv, LONG, first)
-        assert first.wait(30)
-        os.kill(role_pid(srv, victim), signal.SIGKILL)
-        thread.join(15)
-        assert not thread.is_alive()
-        assert_stream_failed(result)
-        # The error names what died and how.
-        assert victim.split("-")[0] in json.dumps(result) and "SIGKILL (signal 9)" in json.dumps(result)
-        assert f"{victim} was killed by SIGKILL (signal 9)" in srv.logs()
-        srv.wait_ready(60)  # /health 200 again once the mesh is back
-        ok_completion(srv)
-        idle = srv.wait_idle()
-        assert idle["tidal_kv_pages_in_use"] == 0 and idle["tidal_state_slots_in_use"] == 0
-        names = sorted(cmdline(p) for p in child_pids(srv.proc.pid))
-        assert names == ["tidal-detokenizer", "tidal-executor-0", "tidal-frontend", "tidal-scheduler"]
-    finally:
-        assert srv.stop() == []
+    yield srv
+    assert srv.stop() == []
     assert srv.proc.returncode == 0
+
+
+@pytest.mark.parametrize("victim", ["executor-0", "detokenizer", "scheduler"])
+def test_killed_process_fails_requests_and_mesh_restarts(restarting, victim):
+    srv = restarting
+    first = threading.Event()
+    thread, result = in_background(stream_events, srv, LONG, first)
+    assert first.wait(30)
+    os.kill(role_pid(srv, victim), signal.SIGKILL)
+    thread.join(15)
+    assert not thread.is_alive()
+    assert_stream_failed(result)
+    # The error names what died and how.
+    assert victim.split("-")[0] in json.dumps(result) and "SIGKILL (signal 9)" in json.dumps(result)
+    assert f"{victim} was killed by SIGKILL (signal 9)" in srv.logs()
+    srv.wait_ready(60)  # /health 200 again once the mesh is back
+    ok_completion(srv)
+    idle = srv.wait_idle()
+    assert idle["tidal_kv_pages_in_use"] == 0 and idle["tidal_state_slots_in_use"] == 0
+    names = sorted(cmdline(p) for p in child_pids(srv.proc.pid))
+    assert names == ["tidal-detokenizer", "tidal-executor-0", "tidal-frontend", "tidal-scheduler"]
 
 
 def test_executor_killed_while_loading_names_the_signal_and_its_memory(tiny_checkpoint, tmp_path):

@@ -1,5 +1,6 @@
-"""Load and disconnects: 200 concurrent streams equal to the same requests sent alone; a responsive
-frontend while a long prompt is tokenized; clients that vanish at every stage leak nothing."""
+"""Load and disconnects: concurrent streams (60, and 200 at full size: ``slow``) equal to the same requests sent
+alone; a responsive frontend under them and while a long prompt is tokenized; clients that vanish at every stage
+leak nothing."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import aiohttp
 import pytest
 from server_harness import Server, Tap, child_pids, cmdline, stream_one
 
-N_LOAD = 200
+# Concurrent clients: the default run's, and the full size (``slow``: ``make test-all``).
+CLIENTS = [60, pytest.param(200, marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +30,10 @@ def server(tiny_checkpoint):
     assert srv.stop() == []
 
 
-def load_requests() -> list[dict]:
+def load_requests(clients: int) -> list[dict]:
     rng = random.Random(11)
     out = []
-    for _ in range(N_LOAD):
+    for _ in range(clients):
         n = rng.choice([3, 9, 17, 40, 64, 300])  # 300: two prefill chunks
         out.append({"model": "tiny", "prompt": [rng.randrange(1, 240000) for _ in range(n)],
                     "max_tokens": rng.randrange(1, 8), "ignore_eos": True, "temperature": 0, "stream": True,
@@ -39,8 +41,9 @@ def load_requests() -> list[dict]:
     return out
 
 
-def test_200_concurrent_streams_equal_the_same_requests_alone(server):
-    bodies = load_requests()
+@pytest.mark.parametrize("clients", CLIENTS)
+def test_concurrent_streams_equal_the_same_requests_alone(server, clients):
+    bodies = load_requests(clients)
     tap = Tap(server.tap_addr)
     try:
         async def together():
@@ -85,10 +88,11 @@ def hf_server(tiny_checkpoint, tmp_path_factory):
     assert srv.stop() == []
 
 
-def test_health_and_metrics_answer_while_200_clients_stream(server):
-    """``/health`` and ``/metrics``, probed from a thread of their own while 200 clients stream 48 tokens each:
+@pytest.mark.parametrize("clients", CLIENTS)
+def test_health_and_metrics_answer_while_clients_stream(server, clients):
+    """``/health`` and ``/metrics``, probed from a thread of their own while the clients stream 48 tokens each:
     p99 <= 50 ms, none over 100 ms."""
-    bodies = load_requests()
+    bodies = load_requests(clients)
     for body in bodies:
         body["max_tokens"] = 48
     probes: dict[str, list[float]] = {"/health": [], "/metrics": []}

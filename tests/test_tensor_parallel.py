@@ -58,7 +58,20 @@ def needs_devices(size: int) -> None:
         pytest.skip(f"needs {size} CUDA devices, {torch.cuda.device_count()} visible")
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, variants: list[dict], queue, length: int) -> None:
+def _run_job(path: str, size: int, length: int, kwargs: dict):
+    """One ``LLM`` of the job's keywords: with ``length`` 0 what :func:`_prefix_run` returns, else ``(logits of the
+    prompt, 32 greedy ids, executor counters of the scoring forward)``."""
+    llm = LLM(path, tp=size, **kwargs)
+    if length == 0:  # the prefix-cache scenario
+        return _prefix_run(llm)
+    before = llm.runner.stats()
+    logits = llm.score(_prompt(length))
+    scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
+    ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
+    return logits.numpy(), ids, scored  # by value: the process exits before the parent reads
+
+
+def _rank_main(rank: int, size: int, port: int, path: str, jobs: list[tuple[int, dict]], queue) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
@@ -68,17 +81,8 @@ def _rank_main(rank: int, size: int, port: int, path: str, variants: list[dict],
     init_tp(rank, size, f"tcp://127.0.0.1:{port}", "nccl" if CUDA else "gloo")
     where = dict(device=f"cuda:{rank}", dtype="float32") if CUDA else {}
     try:
-        results = []
-        for kwargs in ({**where, **v} for v in variants):  # one LLM after another in the same rank processes
-            if length == 0:  # the prefix-cache scenario
-                results.append(_prefix_run(LLM(path, tp=size, **kwargs)))
-                continue
-            llm = LLM(path, tp=size, **kwargs)
-            before = llm.runner.stats()
-            logits = llm.score(_prompt(length))
-            scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
-            ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
-            results.append((logits.numpy(), ids, scored))  # by value: the process exits before the parent reads
+        # one LLM after another in the same rank processes
+        results = [_run_job(path, size, length, {**where, **kwargs}) for length, kwargs in jobs]
         if rank == 0:
             queue.put(results)
     except Exception as e:  # report instead of hanging the parent
@@ -104,15 +108,18 @@ def spawn_ranks(size: int, target, args, timeout: float = 300):
     return result
 
 
-def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
-    """For each ``LLM`` keyword set in ``variants``, run in turn by one set of ``size`` rank processes:
-    ``(logits of the prompt, 32 greedy ids, executor counters of the scoring forward)`` from rank 0 (with
-    ``length`` 0, what :func:`_prefix_run` returns)."""
+def run_tp_jobs(path: str, size: int, jobs: list[tuple[int, dict]]) -> list:
+    """Each ``(length, LLM keywords)`` of ``jobs`` run in turn by one set of ``size`` rank processes (what
+    :func:`_run_job` returns, from rank 0, logits as tensors)."""
     needs_devices(size)
-    result = spawn_ranks(size, _rank_main, lambda rank, port, queue: (rank, size, port, path, variants, queue, length))
-    if length == 0:
-        return result
-    return [(torch.from_numpy(logits), ids, scored) for logits, ids, scored in result]
+    result = spawn_ranks(size, _rank_main, lambda rank, port, queue: (rank, size, port, path, jobs, queue))
+    return [r if length == 0 else (torch.from_numpy(r[0]), r[1], r[2]) for (length, _), r in zip(jobs, result,
+                                                                                                  strict=True)]
+
+
+def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
+    """:func:`run_tp_jobs` of one prompt length and several keyword sets."""
+    return run_tp_jobs(path, size, [(length, v) for v in variants])
 
 
 def run_tp(path: str, size: int, length: int = PROMPT_LEN, **kwargs):
@@ -134,14 +141,36 @@ def single(tp_checkpoint):
     return llm.score(prompt), llm.generate([prompt], max_tokens=32, ignore_eos=True)[0]
 
 
+# Every TP 2 run of this module, by one set of rank processes (started once): name -> (prompt length, keywords).
+TP2_JOBS = {
+    **{mode: (SHARD_LEN, dict(max_prefill_length=SHARD_LEN, hc_prefill_mode=mode)) for mode in ("off", "control",
+                                                                                               "shard")},
+    "chunked": (PROMPT_LEN, dict(max_prefill_length=64, hc_prefill_mode="shard")),
+    "prefix": (0, dict(max_prefill_length=128, prefill_coalesce=False)),
+    "prefix_coalesced": (0, dict(max_prefill_length=128, prefill_coalesce=True)),
+    "offload_pinned": (PROMPT_LEN, dict(max_prefill_length=64, moe_strategy="offload", moe_cache_slots=4,
+                                        ple_backend="pinned")),
+    "random": (PROMPT_LEN, dict(load_format="random", seed=9)),
+}
+
+
+@pytest.fixture(scope="module")
+def tp2(tp_checkpoint) -> dict:
+    results = run_tp_jobs(tp_checkpoint, 2, list(TP2_JOBS.values()))
+    return dict(zip(TP2_JOBS, results, strict=True))
+
+
 @pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size):
-    """In each hyper-connection prefill mode (one set of rank processes runs them): a 1024-row prefill
-    (sharded in ``shard`` mode), then 32 decodes (always replicated). ``control`` (decides, never shards)
-    runs at TP 2."""
-    modes = ["off", "control", "shard"] if size == 2 else ["off", "shard"]
-    results = run_tp_variants(tp_checkpoint, size, SHARD_LEN,
-                              [dict(max_prefill_length=SHARD_LEN, hc_prefill_mode=mode) for mode in modes])
+def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size, request):
+    """In each hyper-connection prefill mode: a 1024-row prefill (sharded in ``shard`` mode), then 32 decodes
+    (always replicated). ``control`` (decides, never shards) runs at TP 2."""
+    if size == 2:
+        modes = ["off", "control", "shard"]
+        results = [request.getfixturevalue("tp2")[mode] for mode in modes]
+    else:
+        modes = ["off", "shard"]
+        results = run_tp_variants(tp_checkpoint, size, SHARD_LEN,
+                                  [dict(max_prefill_length=SHARD_LEN, hc_prefill_mode=mode) for mode in modes])
     ref_logits, ref_ids = single
     config = LLM(tp_checkpoint).config
     for mode, (logits, ids, stats) in zip(modes, results, strict=True):
@@ -157,37 +186,34 @@ def test_tensor_parallel_equals_one_rank(tp_checkpoint, single, size):
             assert stats["tp_hc_shard_forwards"] == [0] and stats["tp_reduce_scatters"] == [0], mode
 
 
-def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint):
+def test_chunked_prompt_with_decodes_is_not_sharded(tp_checkpoint, tp2):
     """160 rows (under 1024) never shard; ids still equal one rank's."""
     llm = LLM(tp_checkpoint, max_prefill_length=64, **ONE)
     ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
-    logits, ids, stats = run_tp(tp_checkpoint, 2, max_prefill_length=64, hc_prefill_mode="shard")
+    logits, ids, stats = tp2["chunked"]
     assert (logits - ref[0]).abs().max().item() <= 1e-4 and ids == ref[1]
     assert stats["tp_hc_shard_forwards"] == [0]
 
 
-def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint):
-    """With checkpoints aligned to forwards and coalesced into them (one set of rank processes runs both)."""
-    got = run_tp_variants(tp_checkpoint, 2, 0, [dict(max_prefill_length=128, prefill_coalesce=coalesce)
-                                                for coalesce in (False, True)])
-    for coalesce, run in zip((False, True), got, strict=True):
+def test_prefix_cache_and_checkpoints_under_tp2(tp_checkpoint, tp2):
+    """With checkpoints aligned to forwards and coalesced into them."""
+    for coalesce, run in zip((False, True), (tp2["prefix"], tp2["prefix_coalesced"]), strict=True):
         ref = _prefix_run(LLM(tp_checkpoint, max_prefill_length=128, prefill_coalesce=coalesce, **ONE))
         assert tuple(run) == tuple(ref), coalesce
         assert ref[2] == [0, 256]  # the continuation restored the checkpoint at 256
 
 
-def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint):
+def test_offloaded_experts_and_pinned_ple_under_tp2(tp_checkpoint, tp2):
     """Each rank streams its own slice of every expert and gathers its PLE columns from host memory."""
     llm = LLM(tp_checkpoint, max_prefill_length=64, **ONE)
     ref = llm.score(_prompt()), llm.generate([_prompt()], max_tokens=32, ignore_eos=True)[0]
-    logits, ids, _ = run_tp(tp_checkpoint, 2, max_prefill_length=64, moe_strategy="offload", moe_cache_slots=4,
-                            ple_backend="pinned")
+    logits, ids, _ = tp2["offload_pinned"]
     assert (logits - ref[0]).abs().max().item() <= 1e-4 and ids == ref[1]
 
 
-def test_random_weights_are_the_same_at_any_tp(tp_checkpoint):
+def test_random_weights_are_the_same_at_any_tp(tp_checkpoint, tp2):
     ref = LLM(tp_checkpoint, load_format="random", seed=9, **ONE).score(_prompt())
-    logits, _, _ = run_tp(tp_checkpoint, 2, load_format="random", seed=9)
+    logits, _, _ = tp2["random"]
     assert (logits - ref).abs().max().item() <= 1e-4
 
 
