@@ -139,11 +139,11 @@ def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, weight: torch.Te
         slots: int ``[N]`` slot of each segment; fresh: bool ``[N]``, True where the window is zeros.
         max_seqlen: accepted for interface parity with varlen kernels that grid over segments; unused
             here (both implementations grid over rows).
-        row_segment: optional segment index of every row (int32 or int64 ``[T]``, as :func:`row_segments`
-            computes it), to share one across the layers of a forward; the Triton kernel needs it (and
-            runs ``row_segments`` itself without it), the reference does not.
-        l2_group: when > 0 (a divisor of ``C``), each consecutive ``l2_group`` output channels of a row
-            are then L2-normalised as :func:`l2_norm_groups` does (GDN's q and k heads).
+        row_segment: optional segment index of every row (int32 or int64 ``[T]``, as
+            :func:`~tidal.kernels.common.row_segments` computes it), to share one across the layers of a forward;
+            the Triton kernel needs it (and runs ``row_segments`` itself without it), the reference does not.
+        l2_group: when > 0 (a divisor of ``C``), each consecutive ``l2_group`` output channels of a row are then
+            L2-normalised as :func:`~tidal.kernels.common.l2_norm_groups` does (GDN's q and k heads).
     Returns ``silu(conv)`` (or the bare conv) ``[T, C]`` in ``x``'s dtype; arithmetic in fp32.
     """
     if use_triton(x, "conv"):

@@ -167,10 +167,10 @@ class Member(threading.Thread):
         if flush:
             self.ctx.destroy(linger=1000)
         shutil.rmtree(self.relay_dir, ignore_errors=True)
-        self.done.set()
-        if self.owns_process:
+        if self.owns_process:  # the role's thread waits on ``done`` for ever: the exit code is this one
             logging.shutdown()
             exit_now(code)
+        self.done.set()
         raise SystemExit(code)
 
     def leave(self, code: int, state: MemberState, error: str = "") -> None:

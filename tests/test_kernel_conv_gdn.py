@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from tidal.kernels import conv as conv_ops  # noqa: E402
 from tidal.kernels import conv_triton, gdn_decode_triton  # noqa: E402
-from tidal.kernels.common import l2_norm  # noqa: E402
+from tidal.kernels.common import l2_norm, l2_norm_groups, row_segments  # noqa: E402
 from tidal.kernels.conv import causal_conv1d, conv_history  # noqa: E402
 from tidal.kernels.gdn import gdn_decode_ref, recurrent_gated_delta_rule  # noqa: E402
 
@@ -79,7 +79,7 @@ def test_varlen_reference_matches_per_segment_conv(kernel_size, dilation, silu):
     _assert_matches_oracle(ref, _per_segment(x, states, weight, cu, slots, fresh, dilation, silu), silu)
     assert torch.equal(states, before)  # pure
     # A precomputed row_segment and the dispatcher (CPU: the reference) give the same.
-    seg = conv_ops.row_segments(cu, x.shape[0])
+    seg = row_segments(cu, x.shape[0])
     assert torch.equal(seg.long(), torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS)))
     assert torch.equal(conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, silu,
                                                      max_seqlen=37, row_segment=seg), ref)
@@ -133,7 +133,7 @@ def test_varlen_kernel_matches_reference(kernel_size, dilation):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(states, before)
     bare = conv_triton.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, silu=False,
-                                            row_segment=conv_ops.row_segments(cu, x.shape[0]).long())
+                                            row_segment=row_segments(cu, x.shape[0]).long())
     torch.testing.assert_close(bare, conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh,
                                                                       dilation, silu=False), atol=1e-5, rtol=1e-5)
 
@@ -165,7 +165,7 @@ def test_varlen_reference_l2_groups(kernel_size, dilation, group):
     ref = conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation, l2_group=group)
     expect = _l2_groups_oracle(_per_segment(x, states, weight, cu, slots, fresh, dilation, True), group)
     torch.testing.assert_close(ref, expect, atol=1e-6, rtol=1e-6)
-    assert torch.equal(ref, conv_ops.l2_norm_groups(
+    assert torch.equal(ref, l2_norm_groups(
         conv_ops.causal_conv1d_varlen_ref(x, states, weight, cu, slots, fresh, dilation), group))
     assert torch.equal(conv_ops.causal_conv1d_varlen(x, states, weight, cu, slots, fresh, dilation, l2_group=group),
                        ref)
