@@ -358,26 +358,22 @@ def test_the_kept_frontend_is_heard_across_a_restart_longer_than_the_heartbeat_t
 
 REAPED = """
 import ctypes, json, os, signal, sys, time
-from tidal.bench.server import Server
+from tidal.bench.server import Server, child_pids
 
 ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the server come here, unreaped
 
 
-def descendants():
+def descendants():  # {pid: (comm, state)} of every process under this one, zombies included
     out, todo = {}, [os.getpid()]
     while todo:
-        parent = todo.pop()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
-                except (OSError, IndexError, ValueError):
-                    continue
-                state, ppid = rest.split()[:2]
-                if int(ppid) == parent:
-                    out[int(entry)] = (comm, state)
-                    todo.append(int(entry))
+        for pid in child_pids(todo.pop()):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    comm, rest = f.read().split(" (", 1)[1].rsplit(") ", 1)
+            except (OSError, ValueError):
+                continue
+            out[pid] = (comm, rest.split()[0])
+            todo.append(pid)
     return out
 
 
