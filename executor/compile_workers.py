@@ -61,11 +61,12 @@ def load_slack(config: ModelConfig, load_format: str) -> int:
     if load_format != "random":
         return LOAD_SLACK_BYTES
     from .models import Qwen4ExpForCausalLM
+    from .weights import EXPERT_CHUNK, is_experts
 
-    with torch.device("meta"):
-        largest = max(p.numel() for p in Qwen4ExpForCausalLM(config).parameters()
-                      if p.numel() < 1 << 34)  # n-gram tables are drawn in chunks
-    experts = config.num_experts * 2 * config.moe_intermediate_size * config.hidden_size
+    with torch.device("meta"):  # n-gram tables and experts are drawn in chunks
+        largest = max(p.numel() for n, p in Qwen4ExpForCausalLM(config).named_parameters()
+                      if p.numel() < 1 << 34 and not is_experts(n))
+    experts = min(config.num_experts, EXPERT_CHUNK) * 2 * config.moe_intermediate_size * config.hidden_size
     return 6 * max(largest, experts) + LOAD_SLACK_BYTES
 
 
@@ -185,7 +186,7 @@ def _work(args, config: ModelConfig, sizes, model_path: str, device: str, budget
         torch.cuda.set_per_process_memory_fraction(max(0.01, min(1.0, (budget - CONTEXT_BYTES) / total)), device)
     compiles = CompileCounter()
     try:
-        runner = build_runner(args, config, sizes, model_path, device=device)
+        runner = build_runner(args, config, sizes, model_path, device=device, exact_table_scale=False)
         warm = WarmUp(runner, sizes, max_prefill, max_rows, layer_major_chunk=layer_major_chunk)
         mine, skipped = share(warm.steps(), index, count), []
         if index == 0:

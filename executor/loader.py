@@ -23,7 +23,16 @@ from .memory.pinned import host_empty
 from .models import Qwen4ExpForCausalLM
 from .progress import progress
 from .quant import QuantTensor, quantize_experts, stacked_block_rows
-from .weights import EXPERT_KEY, PLE_SHARD_KEY, canonical_name, random_table_chunks, random_tensor, vision_name
+from .weights import (
+    EXPERT_KEY,
+    PLE_SHARD_KEY,
+    canonical_name,
+    is_experts,
+    random_expert_chunks,
+    random_table_chunks,
+    random_tensor,
+    vision_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +126,10 @@ def empty_model(config: ModelConfig, device: str | torch.device, dtype: torch.dt
 
 def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                load_format: str = "safetensors", seed: int = 0, moe_strategy: str = "resident",
-               ple_backend: str = "gpu", quantization: str | None = None,
-               config: ModelConfig | None = None) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
-    """The model at ``path`` (``config``: its config as served, default read from ``path``)."""
+               ple_backend: str = "gpu", quantization: str | None = None, config: ModelConfig | None = None,
+               exact_table_scale: bool = True) -> tuple[Qwen4ExpForCausalLM, ModelConfig]:
+    """The model at ``path`` (``config``: its config as served, default read from ``path``; random weights with
+    ``exact_table_scale=False``: see :func:`fill_random`)."""
     config = config or ModelConfig.from_file(path).with_quantization(quantization, load_format)
     torch_dtype = resolve_dtype(dtype, config, str(device))
     if load_format not in ("random", "safetensors"):
@@ -128,7 +138,7 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
     model = empty_model(config, device, torch_dtype, moe_strategy, ple_backend)
     allocated = time.perf_counter()
     if load_format == "random":
-        fill_random(model, config, seed, device)
+        fill_random(model, config, seed, device, exact_table_scale)
     else:
         load_safetensors(model, config, path, skip_ple_tables=ple_backend == "disk")
     if torch.device(device).type == "cuda":
@@ -138,9 +148,12 @@ def load_model(path: str, device: str | torch.device = "cpu", dtype: str | torch
     return model, config
 
 
-def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, device: str | torch.device) -> None:
+def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, device: str | torch.device,
+                exact_table_scale: bool = True) -> None:
     """Seeded weights, rounded through the checkpoint's dtype, generated on the model's ``device``
-    (and copied to host memory for host-resident parameters).
+    (and copied to host memory for host-resident parameters). An FP8 n-gram table left on disk takes the scale
+    its stored values would have (a pass over the whole table), or with ``exact_table_scale=False`` that of its
+    first chunk (a model whose values do not matter: the compile workers').
 
     On the CPU these are exactly the values ``tidal checkpoint`` writes with this seed. On a GPU the
     device's generator makes them (seconds instead of minutes for the 13 G-parameter ``bench``
@@ -165,8 +178,12 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
         shape = full_shapes[name] if full_shapes else tuple(param.shape)
         if name.endswith("ngram_embedding.weight"):
             began = time.perf_counter()
-            _fill_random_table(model, name, param, shape, config, seed, device, stored)
+            _fill_random_table(model, name, param, shape, config, seed, device, stored, exact_table_scale)
             tables += time.perf_counter() - began
+            continue
+        if is_experts(name):
+            for start, values in random_expert_chunks(name, shape, seed, device):
+                param.data[start:start + values.shape[0]].copy_(shard(name, values, config).to(stored))
             continue
         value = shard(name, random_tensor(name, shape, config, seed, device=device), config)
         param.data.copy_(value.to(stored))
@@ -179,10 +196,8 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
         for proj, (shape, parts) in {"gate_up_proj": ((2 * inter, hidden), [inter, inter]),
                                      "down_proj": ((hidden, inter), [hidden])}.items():
             bar.update()
-            values = random_tensor(f"{prefix}.{proj}", (module.num_experts, *shape), config, seed,
-                                   device=device).to(stored)
-            store_experts(module, proj, quantize_experts(values, parts, module.fmt), config)
-            del values
+            for start, values in random_expert_chunks(f"{prefix}.{proj}", (module.num_experts, *shape), seed, device):
+                store_experts(module, proj, quantize_experts(values.to(stored), parts, module.fmt), config, start)
     bar.close()
     if quantized:
         logger.info("random weights: n-gram tables drawn in %.1f s, experts drawn and quantized in %.1f s", tables,
@@ -192,7 +207,8 @@ def fill_random(model: Qwen4ExpForCausalLM, config: ModelConfig, seed: int, devi
 
 
 def _fill_random_table(model: Qwen4ExpForCausalLM, name: str, param: torch.Tensor, shape: tuple[int, ...],
-                       config: ModelConfig, seed: int, device: str | torch.device, stored: torch.dtype) -> None:
+                       config: ModelConfig, seed: int, device: str | torch.device, stored: torch.dtype,
+                       exact_scale: bool) -> None:
     """An n-gram table's random values, drawn and stored a chunk of rows at a time; an FP8 table takes one scale,
     ``amax / 448`` over the whole table, found in a first pass over the same chunks. A table left on disk (an empty
     ``param``) stores nothing: its rows are drawn when gathered (``SeededTable``), with that scale."""
@@ -207,6 +223,8 @@ def _fill_random_table(model: Qwen4ExpForCausalLM, name: str, param: torch.Tenso
     amax = torch.zeros((), dtype=torch.float32, device=device)
     for _, rows in random_table_chunks(name, shape, config, seed, device):
         amax = torch.maximum(amax, rows.to(stored).float().abs().amax())
+        if not exact_scale and not param.shape[0]:
+            break
     _, scale = quantize_fp8_tensor(amax)
     model.get_buffer(name + "_scale").copy_(scale)
     if not param.shape[0]:
@@ -216,10 +234,10 @@ def _fill_random_table(model: Qwen4ExpForCausalLM, name: str, param: torch.Tenso
                                                       .to(torch.float8_e4m3fn))
 
 
-def store_experts(module: RoutedExperts, proj: str, full: QuantTensor, config: ModelConfig) -> None:
-    """Copy this rank's part of a full layer's quantized ``proj`` (``[E, 2I, ...]`` or ``[E, H, ...]``) into the
-    module's storage."""
-    target = module.weight(proj)
+def store_experts(module: RoutedExperts, proj: str, full: QuantTensor, config: ModelConfig, first: int) -> None:
+    """Copy this rank's part of quantized ``proj`` of experts ``first, first + 1, ...`` (all its rows: ``[E, 2I,
+    ...]`` or ``[E, H, ...]``) into the module's storage."""
+    target = module.weight(proj)[first:first + full.shape[0]]
     if tp().size == 1:
         target.copy_(full)
         return

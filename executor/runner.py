@@ -514,10 +514,10 @@ class ModelRunner:
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
 def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str | None = None,
-                 after_weights=None) -> ModelRunner:
+                 after_weights=None, exact_table_scale: bool = True) -> ModelRunner:
     """Load weights and allocate the pools ``sizes`` describes on ``args``' device; with offload, the
     expert store (its cache sized last, from what is left); PLE tables per ``--ple-backend``.
-    ``after_weights()`` runs between the two."""
+    ``after_weights()`` runs between the two; ``exact_table_scale``: see :func:`~.loader.fill_random`."""
     from .loader import DTYPES, load_model, resolve_dtype
     from .offload.ple_table import DiskTable, PinnedTable, SeededTable, find_ple_shards
 
@@ -526,7 +526,7 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     began = time.perf_counter()
     model, _ = load_model(model_path, device=device, dtype=dtype, load_format=args.load_format, seed=args.seed,
                           moe_strategy=args.moe_strategy, ple_backend=args.ple_backend,
-                          quantization=args.quantization, config=config)
+                          quantization=args.quantization, config=config, exact_table_scale=exact_table_scale)
     load_s = time.perf_counter() - began
     if after_weights is not None:
         after_weights()

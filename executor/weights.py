@@ -88,6 +88,25 @@ def random_table_chunks(name: str, shape: tuple[int, ...], config: ModelConfig, 
         yield start, table_rows(name, torch.arange(start, stop, device=device), shape[1], seed)
 
 
+# A layer's routed experts are drawn this many experts at a time (each chunk from its own seeded generator), so
+# that no draw holds a whole layer in float32 (6.7 GB for flash-next's gate and up projections).
+EXPERT_CHUNK = 64
+
+
+def is_experts(name: str) -> bool:
+    return name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def random_expert_chunks(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str = "cpu"):
+    """Yield ``(first_expert, values)`` of routed-expert parameter ``name`` ``[E, R, C]``'s seeded fp32 values,
+    :data:`EXPERT_CHUNK` experts at a time; their concatenation is ``random_tensor(name, shape, ...)``."""
+    for start in range(0, shape[0], EXPERT_CHUNK):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_stable_seed(seed, f"{name}[{start}]"))
+        size = (min(shape[0], start + EXPERT_CHUNK) - start, *shape[1:])
+        yield start, torch.randn(size, generator=gen, device=device, dtype=torch.float32) / math.sqrt(shape[-1])
+
+
 def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     """A seeded random fp32 value for parameter ``name``, independent of creation order (n-gram tables: see
@@ -99,6 +118,8 @@ def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: 
     """
     if name.endswith("ngram_embedding.weight"):
         return torch.cat([rows for _, rows in random_table_chunks(name, shape, config, seed, device)])
+    if is_experts(name):
+        return torch.cat([values for _, values in random_expert_chunks(name, shape, seed, device)])
     gen = torch.Generator(device=device)
     gen.manual_seed(_stable_seed(seed, name))
 
@@ -125,8 +146,6 @@ def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: 
         return normal(1.0)
     if name.endswith("lm_head.weight"):
         return normal(2.0 / math.sqrt(shape[-1]))
-    if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-        return normal(1.0 / math.sqrt(shape[-1]))
     if name.endswith(".weight") and len(shape) == 2:
         return normal(1.0 / math.sqrt(shape[-1]))
     if name.endswith(".bias"):

@@ -212,3 +212,29 @@ def test_random_tables_drawn_when_gathered_equal_the_stored_ones(tmp_path, quant
         assert got.dtype == full.dtype and torch.equal(got.float(), full[rows].float()), layer
         if quantization:
             assert torch.equal(drawn.ngram_embedding.weight_scale, stored.ngram_embedding.weight_scale)
+
+
+def test_a_random_disk_table_takes_the_whole_tables_scale_or_with_exact_table_scale_off_its_first_chunks(
+        tmp_path, monkeypatch):
+    """The FP8 scale of a table left on disk is ``amax / 448`` over every stored value; a model whose values do not
+    matter (a compile worker's) takes the first chunk's amax instead and skips the pass over the table."""
+    from tidal.config.model import ModelConfig
+    from tidal.executor.loader import load_model
+    from tidal.executor.presets import write_checkpoint
+    from tidal.executor.weights import random_tensor
+    from tidal.kernels.quant import quantize_fp8_tensor
+
+    monkeypatch.setattr("tidal.executor.weights.TABLE_CHUNK_ROWS", 50)
+    base = write_checkpoint("tiny", str(tmp_path), seed=5, weights=False)
+    config = ModelConfig.from_file(base).with_quantization("fp8", "random")
+    kw = dict(load_format="random", seed=5, ple_backend="disk", quantization="fp8", config=config)
+    exact, _ = load_model(base, **kw)
+    first, _ = load_model(base, exact_table_scale=False, **kw)
+    for layer in PLE_MODULES:
+        name = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"
+        values = random_tensor(name, (config.ngram_table_rows(config.ple_layers.index(layer)),
+                                      exact.get_parameter(name).shape[1]), config, 5).to(torch.bfloat16).float()
+        for model, amax in ((exact, values.abs().amax()), (first, values[:50].abs().amax())):
+            want = quantize_fp8_tensor(amax)[1]
+            assert torch.equal(model.get_buffer(name + "_scale"), want.to(model.get_buffer(name + "_scale").dtype))
+        assert not torch.equal(exact.get_buffer(name + "_scale"), first.get_buffer(name + "_scale"))

@@ -294,8 +294,9 @@ def test_quantized_weights_stay_quantized_in_memory(tmp_path):
 
 def test_random_quantized_weights_equal_the_written_checkpoint(tmp_path, monkeypatch):
     # n-gram tables drawn a few rows at a time (the real geometry's 320 M rows never whole): the FP8 scale over
-    # all chunks, the same values the writer quantizes.
+    # all chunks, the same values the writer quantizes; experts drawn and quantized 3 of 8 at a time.
     monkeypatch.setattr("tidal.executor.weights.TABLE_CHUNK_ROWS", 100)
+    monkeypatch.setattr("tidal.executor.weights.EXPERT_CHUNK", 3)
     for fmt in ("nvfp4", "fp8"):
         path = write_checkpoint("tiny", str(tmp_path / fmt), seed=3, quantize=fmt)
         prompt = list(range(100, 160))

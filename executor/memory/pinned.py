@@ -4,8 +4,8 @@ torch's pinned allocations (``pin_memory=True``, ``Tensor.pin_memory()``) go thr
 which rounds every block up to the next power of two: host expert banks and a pinned n-gram table would lock up to
 twice the memory the load plan counts (a 1.7 GB layer of FP8 experts takes 2 GiB), and a plan that fits the host
 would be killed by the kernel's out-of-memory killer while it loads. :func:`pinned_empty` instead maps anonymous
-memory of the exact size and locks it with ``cudaHostRegister``; the memory is unlocked and unmapped once the last
-tensor on it is gone.
+memory of the exact size (in huge pages where the kernel allows), faults it in on torch's threads and locks it with
+``cudaHostRegister``; the memory is unlocked and unmapped once the last tensor on it is gone.
 """
 
 from __future__ import annotations
@@ -37,8 +37,14 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)  # 2 MiB pages where the kernel has them: fewer to fault and lock
+    except (AttributeError, OSError):
+        pass
     buffer = (ctypes.c_uint8 * nbytes).from_buffer(mapping)
     ptr = ctypes.addressof(buffer)
+    # Fault the pages in on every core (a fill runs on torch's threads); registering alone faults them one at a time.
+    torch.frombuffer(buffer, dtype=torch.uint8).zero_()
     err = _cudart().cudaHostRegister(ptr, nbytes, 0)
     if _failed(err):
         del buffer
