@@ -14,6 +14,7 @@ import zlib
 import torch
 
 from ..config.model import ModelConfig
+from ..kernels.backend import use_triton
 
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 PLE_SHARD_KEY = re.compile(r"^(model\.layers\.\d+\.ple\.ple_embedding\.ngram_embedding)\.shard_(\d+)\.weight$")
@@ -68,14 +69,33 @@ def table_rows(name: str, rows: torch.Tensor, dim: int, seed: int) -> torch.Tens
     (splitmix64 of its index, its top 24 bits through the inverse normal CDF), so any rows can be drawn in any order
     and on any device: a table is filled a chunk at a time, or read row by row where it is never stored
     (``--ple-backend disk`` with random weights)."""
+    offset = _stable_seed(seed, name)
+    if use_triton(rows, "seeded_rows"):
+        lut = _NORMAL_LUTS.get(rows.device)
+        if lut is None and not torch.cuda.is_current_stream_capturing():
+            lut = _NORMAL_LUTS[rows.device] = _normal_values(torch.arange(1 << 24, device=rows.device))
+        if lut is not None:
+            from ..kernels.seeded_triton import seeded_rows
+
+            return seeded_rows(rows, dim, offset, lut)
     x = rows.to(torch.long)[..., None] * dim + torch.arange(dim, device=rows.device)
-    x.mul_(_GOLDEN).add_(_stable_seed(seed, name))
+    x.mul_(_GOLDEN).add_(offset)
     x.bitwise_xor_(_shr(x, 30)).mul_(_MIX1)
     x.bitwise_xor_(_shr(x, 27)).mul_(_MIX2)
     x.bitwise_xor_(_shr(x, 31))
-    # 2u - 1 for u = (k + 0.5) / 2^24, k the top 24 bits: in (-1, 1), never at either end.
-    centred = _shr(x, 40).to(torch.float64).mul_(2.0 ** -23).add_(2.0 ** -24 - 1)
+    return _normal_values(_shr(x, 40))
+
+
+def _normal_values(top: torch.Tensor) -> torch.Tensor:
+    """Standard-normal fp32 values of 24-bit integers ``top``: the inverse normal CDF at ``(top + 0.5) / 2^24``."""
+    # 2u - 1 for u = (k + 0.5) / 2^24: in (-1, 1), never at either end.
+    centred = top.to(torch.float64).mul_(2.0 ** -23).add_(2.0 ** -24 - 1)
     return centred.erfinv_().mul_(math.sqrt(2)).to(torch.float32)
+
+
+# Per CUDA device, :func:`_normal_values` of every 24-bit integer (64 MiB), the table the Triton kernel of
+# :func:`table_rows` looks its values up in; made on first use outside a CUDA graph capture.
+_NORMAL_LUTS: dict[torch.device, torch.Tensor] = {}
 
 
 def random_table_chunks(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,

@@ -50,6 +50,7 @@ KERNELS = (
     "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)
     "qsa_select",     # QSA block scores + top-k in one kernel (kernels/qsa_triton)
     "route",          # router softmax + top-k (kernels/moe.route)
+    "seeded_rows",    # random n-gram table rows drawn from the seed (executor/weights.table_rows)
     "shared_expert",  # the shared expert's [gate; up] GEMM and SiLU-gate
     "stacked",        # GDN's and attention's input projections as one GEMM
 )
