@@ -33,7 +33,7 @@ def _seeded_rows_kernel(rows_ptr, lut_ptr, out_ptr, total, dim, offset, BLOCK: t
 def seeded_rows(rows: torch.Tensor, dim: int, offset: int, lut: torch.Tensor) -> torch.Tensor:
     """fp32 ``[*rows.shape, dim]``: value ``lut[top 24 bits of splitmix64(row * dim + column, offset)]`` of each
     row of ``rows`` (long) and column (``lut``: float32 ``[2^24]`` on ``rows``' device)."""
-    flat = rows.reshape(-1).to(torch.long).contiguous()
+    flat = rows.reshape(-1).to(torch.long, copy=True)  # a new (aligned) buffer: one pointer specialization
     out = torch.empty((*rows.shape, dim), dtype=torch.float32, device=rows.device)
     total = flat.numel() * dim
     if total:
