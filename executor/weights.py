@@ -119,12 +119,14 @@ def is_experts(name: str) -> bool:
 
 def random_expert_chunks(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str = "cpu"):
     """Yield ``(first_expert, values)`` of routed-expert parameter ``name`` ``[E, R, C]``'s seeded fp32 values,
-    :data:`EXPERT_CHUNK` experts at a time; their concatenation is ``random_tensor(name, shape, ...)``."""
+    :data:`EXPERT_CHUNK` experts at a time; their concatenation is ``random_tensor(name, shape, ...)``. The first
+    chunk's generator is seeded by the name alone, as every other parameter's is."""
     for start in range(0, shape[0], EXPERT_CHUNK):
         gen = torch.Generator(device=device)
-        gen.manual_seed(_stable_seed(seed, f"{name}[{start}]"))
+        gen.manual_seed(_stable_seed(seed, f"{name}[{start}]" if start else name))
         size = (min(shape[0], start + EXPERT_CHUNK) - start, *shape[1:])
-        yield start, torch.randn(size, generator=gen, device=device, dtype=torch.float32) / math.sqrt(shape[-1])
+        values = torch.randn(size, generator=gen, device=device, dtype=torch.float32)
+        yield start, values * (1.0 / math.sqrt(shape[-1]))
 
 
 def random_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, seed: int,
