@@ -33,7 +33,7 @@ import torch
 
 from ..config.model import ModelConfig
 from ..config.server_args import HOST_LOCAL_FIELDS
-from .memory.fit import GiB, host_memory, memory_plan
+from .memory.fit import HOST_MESH, HOST_PER_RANK, GiB, host_memory, memory_plan
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,12 @@ def plan_workers(args, config: ModelConfig, device: str) -> tuple[int, int, str]
     free, _ = torch.cuda.mem_get_info(device)
     spare = int(0.95 * free) - main["weights_device"] - load_slack(config, args.load_format)
     host = host_memory("MemAvailable")
-    if host is not None:
-        count = min(count, max(0, (host - main["weights_host"] - HOST_BYTES) // HOST_BYTES))
+    if host is not None:  # a worker's process and its own host-resident weights (offloaded experts), beside the mesh's
+        mesh, each = main["weights_host"] + HOST_MESH + HOST_PER_RANK, small["weights_host"] + HOST_BYTES
+        count = min(count, max(0, (host - mesh) // each))
+        if count < 1:
+            return 0, 0, (f"the host has {host / GiB:.1f} GiB available; the mesh takes {mesh / GiB:.1f} and a worker "
+                          f"needs {each / GiB:.1f}")
     count = min(count, max(0, spare // need))
     if count < 1:
         return 0, 0, (f"the device has {free / GiB:.1f} GiB free; the weights take {main['weights_device'] / GiB:.1f} "

@@ -13,6 +13,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from tidal import LLM
 from tidal.executor.warm import WarmUp, ladder, layer_kinds, only_layers
@@ -266,6 +267,38 @@ def test_the_warm_marker_names_what_shapes_the_forwards(tmp_path):
     assert warm_marker(ServerArgs(model="m", port=9000, log_level="debug"), config, str(tmp_path)) == base
     assert warm_marker(ServerArgs(model="m", max_prefill_length=4096), config, str(tmp_path)) != base
     assert warm_marker(ServerArgs(model="m"), config.first_layers(3), str(tmp_path)) != base
+
+
+def test_compile_workers_fit_the_device_and_the_host_beside_the_servers_weights(monkeypatch):
+    """flash-next on one H200 (139 GiB free, 16 cores, 123.7 GiB of host memory available): NVFP4 with its n-gram
+    table pinned leaves the device room for 3 workers; FP8 with offloaded experts locks 112.5 GiB of the host, and a
+    worker's own 4 layers of offloaded experts would not fit beside it: no workers, the host named."""
+    from types import SimpleNamespace
+
+    from tidal.config.model import ModelConfig
+    from tidal.config.server_args import ServerArgs
+    from tidal.executor import compile_workers
+    from tidal.executor.memory import fit
+    from tidal.executor.presets import preset_config
+
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=139 * GiB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (139 * GiB, 139 * GiB))
+    monkeypatch.setattr(compile_workers.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(compile_workers, "host_memory", lambda field="MemTotal": int(123.7 * GiB))
+    monkeypatch.setattr(fit, "host_memory_total", lambda: int(125.8 * GiB))
+
+    def plan(quantization, **kwargs):
+        config = ModelConfig.from_dict(preset_config("flash-next")).with_quantization(quantization, "random")
+        args = ServerArgs(load_format="random", quantization=quantization, device="cuda", **kwargs)
+        return compile_workers.plan_workers(args, config, "cuda")
+
+    count, budget, why = plan("nvfp4", ple_backend="pinned")
+    assert count == 3 and 15 * GiB < budget < 20 * GiB and why == ""
+    count, budget, why = plan("fp8", moe_strategy="offload", ple_backend="disk")
+    assert count == 0 and "the host has 123.7 GiB available" in why, why
 
 
 def test_compile_workers_flag():
