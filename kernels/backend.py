@@ -45,6 +45,7 @@ KERNELS = (
     "moe_gemv",       # routed + shared experts of decode batches (kernels/moe_decode_triton.moe_gemv)
     "ngram",          # PLE's hashed n-gram ids (kernels/ngram)
     "norm",           # RMSNorm and gated RMSNorm
+    "nvfp4",          # NVFP4 routed experts read packed by the grouped GEMMs and GEMVs (kernels/moe_nvfp4_triton)
     "norm_rotary",    # per-head RMSNorm + partial rotary (executor/layers/rotary)
     "ple",            # PLE's per-stream value gate and conv norm (kernels/ple)
     "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)

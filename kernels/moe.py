@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .quant import Nvfp4
 
 _torch_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # Groups one call of torch's grouped GEMM takes (an expert cache holds more slots than that): on CUDA it
@@ -162,7 +163,20 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     h = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     per_slot = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     per_slot[order] = h * weights.flatten()[order, None]
-    return add_shared(per_slot.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype), shared)
+    return add_shared(per_slot.view(tokens, top_k, x.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype), shared)
+
+
+def fused_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Nvfp4,
+                        down: Nvfp4, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`fused_experts` over NVFP4 experts (``gate_up``, ``down``: :class:`~tidal.kernels.quant.Nvfp4` stacks
+    ``[E, 2I, H]`` and ``[E, H, I]``). On CUDA the grouped GEMMs read the packed codes and scales
+    (``moe_nvfp4_triton``: no dense copy of any expert), the SiLU gate and the combine as on the bf16 path; the
+    reference (and the CPU path) dequantizes the experts to ``x``'s dtype and runs :func:`fused_experts`."""
+    if not use_triton(x, "nvfp4"):
+        return fused_experts(x, ids, weights, gate_up.dequantize(x.dtype), down.dequantize(x.dtype), shared)
+    from .moe_nvfp4_triton import fused_experts_nvfp4_triton
+
+    return fused_experts_nvfp4_triton(x, ids, weights, gate_up, down, shared)
 
 
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

@@ -304,6 +304,25 @@ def _tile_end_kernel(ends_ptr, tile_end_ptr, num_experts, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def expert_tile(pid_m, ends_ptr, tile_end_ptr, num_experts, BLOCK_M: tl.constexpr):
+    """``(expert, rows [BLOCK_M], valid)`` of row tile ``pid_m`` (below the real tile count) of expert-sorted rows
+    whose runs end at ``ends`` and take ``tile_end`` tiles up to each expert (:func:`_tile_end_kernel`)."""
+    lo = 0  # the expert of this tile: the first whose tile_end exceeds pid_m
+    hi = num_experts - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        above = tl.load(tile_end_ptr + mid) > pid_m
+        hi = tl.where(above, mid, hi)
+        lo = tl.where(above, lo, mid + 1)
+    expert = lo
+    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(ends_ptr + expert)
+    first_tile = tl.load(tile_end_ptr + expert) - tl.cdiv(end - start, BLOCK_M)
+    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return expert, rows, rows < end
+
+
+@triton.jit
 def _sorted_gate_up_kernel(
     x_ptr, w_ptr, w_desc, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter,
@@ -317,19 +336,7 @@ def _sorted_gate_up_kernel(
     pid_n = tl.program_id(0) % num_n
     if pid_m >= tl.load(tile_end_ptr + num_experts - 1):  # past the real tiles
         return
-    lo = 0  # the expert of this tile: the first whose tile_end exceeds pid_m
-    hi = num_experts - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        above = tl.load(tile_end_ptr + mid) > pid_m
-        hi = tl.where(above, mid, hi)
-        lo = tl.where(above, lo, mid + 1)
-    expert = lo
-    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
-    end = tl.load(ends_ptr + expert)
-    first_tile = tl.load(tile_end_ptr + expert) - tl.cdiv(end - start, BLOCK_M)
-    rows = start + (pid_m - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < end
+    expert, rows, valid = expert_tile(pid_m, ends_ptr, tile_end_ptr, num_experts, BLOCK_M)
     token = (tl.load(order_ptr + rows, mask=valid, other=0) // TOP_K).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
@@ -342,6 +349,15 @@ def _sorted_gate_up_kernel(
                           TMA, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+def tile_ends(ends: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """``(tile_end [E], max_tiles)`` for ``rows`` expert-sorted rows whose runs end at ``ends``: the
+    ``block_m``-row tiles experts ``0..e`` take (one launch), and a bound on their count from shapes alone."""
+    num_experts = ends.shape[0]
+    tile_end = torch.empty_like(ends)
+    _tile_end_kernel[(1,)](ends, tile_end, num_experts, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts))
+    return tile_end, triton.cdiv(rows, block_m) + min(num_experts, rows)
 
 
 def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, top_k: int,
@@ -365,9 +381,7 @@ def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gat
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
-    tile_end = torch.empty_like(ends)
-    _tile_end_kernel[(1,)](ends, tile_end, num_experts, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts))
-    max_tiles = triton.cdiv(assignments, block_m) + min(num_experts, assignments)
+    tile_end, max_tiles = tile_ends(ends, assignments, block_m)
     grid = (max_tiles * triton.cdiv(inter, gemm.block_n),)
     tma = tma and gate_up.is_contiguous() and gate_up.data_ptr() % 16 == 0 and hidden * x.element_size() % 16 == 0
     desc = TensorDescriptor.from_tensor(gate_up.view(-1, hidden), [gemm.block_n, gemm.block_k]) if tma else None

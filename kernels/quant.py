@@ -13,6 +13,8 @@ Quantizing rounds to nearest (ties to the even code for e2m1, as torch's float8 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -78,6 +80,18 @@ def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
     values = e2m1_values(unpack_nibbles(packed))
     block = scale.float() * scale_2.float()  # the scale of each group of 16 (the producer's order of rounding)
     return (values.unflatten(-1, (-1, NVFP4_GROUP)) * block[..., None]).flatten(-2).to(dtype)
+
+
+class Nvfp4(NamedTuple):
+    """A stack of NVFP4 matrices ``[..., R, C]`` as stored: ``packed`` uint8 ``[..., R, C/2]``, ``scale`` e4m3
+    ``[..., R, C/16]``, ``scale_2`` fp32 ``[..., R, 1]`` (one global scale per row)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scale_2: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_nvfp4(self.packed, self.scale, self.scale_2, dtype)
 
 
 def quantize_fp8_block(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32

@@ -1,0 +1,224 @@
+"""NVFP4 routed experts read in their stored format (W4A16): the prefill grouped GEMMs over expert-sorted rows.
+
+Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
+
+The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
+codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
+(one global scale per row). A program loads a tile of packed bytes and the scale byte of each, decodes both in
+registers (``code * scale`` is exact in bf16: two significant bits times four) and feeds the activations' dtype
+to the tensor cores. The even and odd columns of a byte tile are two MMAs of half the K tile against the even
+and odd columns of the activation tile: the reduction does not depend on the order of K, so no interleave is
+needed. ``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue.
+
+- :func:`sorted_gate_up_nvfp4`: the rows gathered through the expert sort, gate and up tiles side by side,
+  ``silu(gate) * up`` in the epilogue (the bf16 path's :func:`~tidal.kernels.moe_triton.sorted_gate_up`).
+- :func:`sorted_down_nvfp4`: the activations (already in expert order) times each expert's ``down``.
+
+The rows of both are found as in ``sorted_gate_up``: row tiles of one expert each, from where each expert's run
+ends; no host sync, no padding copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
+from .quant import NVFP4_GROUP, Nvfp4
+from .quant_triton import _e2m1, _e4m3
+
+# (block_m, config) of each pass; block_k counts values (half as many bytes). Every row count takes the same
+# tiles, so a row's arithmetic never depends on how many rows share its forward.
+GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 8, 3))
+DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
+
+
+@triton.jit
+def fp4_pairs(q_ptrs, s_ptrs, mask):
+    """The fp32 values ``code * scale`` of a tile of packed bytes (``q_ptrs``) whose group scales are at
+    ``s_ptrs`` (the scale byte of each byte's group): ``(even columns, odd columns)``."""
+    b = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    s = _e4m3(tl.load(s_ptrs, mask=mask, other=0).to(tl.int32))
+    return _e2m1(b & 15) * s, _e2m1(b >> 4) * s
+
+
+@triton.jit
+def _fp4_dot(a_ptrs, a_mask, q_ptrs, s_ptrs, w_mask, acc, IEEE: tl.constexpr):
+    """``acc + a @ w.T`` for one K tile: ``a_ptrs`` the even columns of the activation tile (the odd ones follow
+    each), ``q_ptrs``/``s_ptrs`` the packed weight tile ``[N, K/2]`` and its scale bytes."""
+    a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+    a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+    w_even, w_odd = fp4_pairs(q_ptrs, s_ptrs, w_mask)
+    w_even = tl.trans(w_even.to(a_even.dtype))
+    w_odd = tl.trans(w_odd.to(a_even.dtype))
+    if IEEE:
+        acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
+        acc = tl.dot(a_odd, w_odd, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a_even, w_even, acc)
+        acc = tl.dot(a_odd, w_odd, acc)
+    return acc
+
+
+@triton.jit
+def _sorted_gate_up_fp4_kernel(
+    x_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
+    num_experts, hidden, inter, sx_t, so_m,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
+    num_n = tl.cdiv(inter, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    if pid_m >= tl.load(tile_end_ptr + num_experts - 1):  # past the real tiles
+        return
+    expert, rows, valid = expert_tile(pid_m, ends_ptr, tile_end_ptr, num_experts, BLOCK_M)
+    token = (tl.load(order_ptr + rows, mask=valid, other=0) // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    gate_rows = expert.to(tl.int64) * 2 * inter + cols  # weight rows of [E * 2I] (up rows follow the I gate rows)
+    half = tl.arange(0, BLOCK_K // 2)  # byte j of a K tile holds columns 2j and 2j + 1
+    nbytes = hidden // 2
+    groups = hidden // GROUP
+    a_ptrs = x_ptr + token[:, None] * sx_t + 2 * half[None, :]
+    g_q = q_ptr + gate_rows[:, None] * nbytes + half[None, :]
+    g_s = s_ptr + gate_rows[:, None] * groups + (half // (GROUP // 2))[None, :]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kmask = 2 * half < hidden - k0  # whole bytes: hidden is a multiple of 16
+        a_mask = valid[:, None] & kmask[None, :]
+        w_mask = cmask[:, None] & kmask[None, :]
+        acc_g = _fp4_dot(a_ptrs, a_mask, g_q, g_s, w_mask, acc_g, IEEE)
+        acc_u = _fp4_dot(a_ptrs, a_mask, g_q + inter * nbytes, g_s + inter * groups, w_mask, acc_u, IEEE)
+        a_ptrs += BLOCK_K
+        g_q += BLOCK_K // 2
+        g_s += BLOCK_K // GROUP
+    acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :]
+    acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :]
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _sorted_down_fp4_kernel(
+    a_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
+    num_experts, hidden, inter, sa_m, so_m,
+    IEEE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    if pid_m >= tl.load(tile_end_ptr + num_experts - 1):
+        return
+    expert, rows, valid = expert_tile(pid_m, ends_ptr, tile_end_ptr, num_experts, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    w_rows = expert.to(tl.int64) * hidden + cols
+    half = tl.arange(0, BLOCK_K // 2)
+    nbytes = inter // 2
+    groups = inter // GROUP
+    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * sa_m + 2 * half[None, :]
+    w_q = q_ptr + w_rows[:, None] * nbytes + half[None, :]
+    w_s = s_ptr + w_rows[:, None] * groups + (half // (GROUP // 2))[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kmask = 2 * half < inter - k0
+        acc = _fp4_dot(a_ptrs, valid[:, None] & kmask[None, :], w_q, w_s, cmask[:, None] & kmask[None, :], acc, IEEE)
+        a_ptrs += BLOCK_K
+        w_q += BLOCK_K // 2
+        w_s += BLOCK_K // GROUP
+    acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :]
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+
+
+def _check(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, rows: int, cols: int) -> None:
+    experts = packed.shape[0]
+    if cols % NVFP4_GROUP:
+        raise ValueError(f"NVFP4 needs rows of a multiple of {NVFP4_GROUP} values, got {cols}")
+    assert packed.shape == (experts, rows, cols // 2) and packed.dtype == torch.uint8 and packed.is_contiguous()
+    assert scale.shape == (experts, rows, cols // NVFP4_GROUP) and scale.is_contiguous()
+    assert scale_2.shape == (experts, rows, 1) and scale_2.dtype == torch.float32 and scale_2.is_contiguous()
+
+
+def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, GemmConfig]:
+    """Tiles no wider than the problem (at least 32 values of K: two MMAs of 16)."""
+    block_m, gemm = config
+    block_n = min(gemm.block_n, max(16, triton.next_power_of_2(n_dim)))
+    block_k = min(gemm.block_k, max(32, triton.next_power_of_2(k_dim)))
+    return block_m, GemmConfig(block_n, block_k, gemm.num_warps, gemm.num_stages)
+
+
+def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
+                         scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
+                         config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+    """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
+    x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
+    [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype."""
+    assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
+    inter = two_inter // 2
+    _check(packed, scale, scale_2, two_inter, hidden)
+    assert ends.shape == (num_experts,) and x.stride(1) == 1
+    block_m, gemm = _fit(config or GATE_UP_CONFIG, inter, hidden)
+    out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
+    if assignments == 0:
+        return out
+    tile_end, max_tiles = tile_ends(ends, assignments, block_m)
+    _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
+        x, packed, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
+        num_experts, hidden, inter, x.stride(0), out.stride(0),
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, GROUP=NVFP4_GROUP,
+        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+        num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+    )
+    return out
+
+
+def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                      scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+    """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
+    ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
+    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten)."""
+    rows, inter = act.shape
+    num_experts, hidden, _ = packed.shape
+    _check(packed, scale, scale_2, hidden, inter)
+    assert ends.shape == (num_experts,) and act.stride(1) == 1
+    block_m, gemm = _fit(config or DOWN_CONFIG, hidden, inter)
+    out = torch.empty(rows, hidden, dtype=act.dtype, device=act.device)
+    if rows == 0:
+        return out
+    tile_end, max_tiles = tile_ends(ends, rows, block_m)
+    _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
+        act, packed, scale.view(torch.uint8), scale_2, out, ends, tile_end,
+        num_experts, hidden, inter, act.stride(0), out.stride(0),
+        IEEE=act.dtype == torch.float32, GROUP=NVFP4_GROUP,
+        BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+        num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+    )
+    return out
+
+
+def fused_experts_nvfp4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Nvfp4,
+                               down: Nvfp4, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`~tidal.kernels.moe.fused_experts_nvfp4` on the kernels: the assignments sorted by expert, the two
+    grouped GEMMs above, then :func:`~tidal.kernels.moe_triton.combine` (the shared expert folded in for bf16,
+    with the bits of the torch ops). No host sync."""
+    num_experts, top_k = gate_up.packed.shape[0], ids.shape[1]
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
+                              right=True, out_int32=True)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = sorted_down_nvfp4(sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k), ends, *down)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=x.device)
+    fold = shared is not None and shared[0].dtype == shared[1].dtype == h.dtype == torch.bfloat16
+    out = combine(h, inverse, weights, shared if fold else None)
+    if shared is not None and not fold:
+        out = out + shared[1] * shared[0]
+    return out

@@ -1,0 +1,126 @@
+"""NVFP4 routed experts read packed (``kernels/moe_nvfp4_triton``) against the torch reference: the experts
+dequantized by ``kernels/quant.dequantize_nvfp4`` and computed by the per-expert loop.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, fp32, small shapes); the
+``gpu``-marked tests take the bench and flash-next expert shapes in bf16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from tidal.kernels import moe_nvfp4_triton  # noqa: E402
+from tidal.kernels.moe import fused_experts_nvfp4, fused_experts_ref  # noqa: E402
+from tidal.kernels.moe_triton import GemmConfig  # noqa: E402
+from tidal.kernels.quant import Nvfp4, quantize_nvfp4  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantized(experts: int, rows: int, cols: int, gen: torch.Generator, parts: int = 1) -> Nvfp4:
+    """``experts`` random matrices in NVFP4; each of ``parts`` row blocks its own global scale (gate and up)."""
+    w = (torch.randn(experts, rows, cols, generator=gen) / cols ** 0.5).to(DEV)
+    w[:, :, :16] *= 8  # some groups far larger than the rest: scales spread over the e4m3 range
+    amax = w.unflatten(1, (parts, -1)).abs().amax(dim=(-2, -1), keepdim=True)  # [E, parts, 1, 1]
+    scale_2 = (amax / (6.0 * 448.0)).expand(-1, -1, rows // parts, 1).reshape(experts, rows, 1).contiguous()
+    packed, scale, _ = quantize_nvfp4(w, scale_2)
+    return Nvfp4(packed, scale, scale_2)
+
+
+def case(tokens: int, top_k: int, experts: int, hidden: int, inter: int, dtype=torch.float32, seed: int = 0,
+         empty: tuple[int, ...] = ()):
+    """Routing with a hot expert in every token and the ``empty`` experts in none."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, dtype)
+    pool = torch.tensor([e for e in range(experts) if e != 0 and e not in empty])
+    rest = torch.stack([pool[torch.randperm(len(pool), generator=g)[:top_k - 1]] for _ in range(tokens)])
+    ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), rest], dim=1).to(DEV)
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    weights = (weights / weights.sum(-1, keepdim=True)).to(DEV, dtype)
+    return x, ids, weights, quantized(experts, 2 * inter, hidden, g, parts=2), quantized(experts, hidden, inter, g)
+
+
+def sorted_rows(ids: torch.Tensor, experts: int):
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device), right=True, out_int32=True)
+    return sorted_ids, order, ends
+
+
+SMALL = (16, GemmConfig(16, 32, 4, 2))
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3)])
+@pytest.mark.parametrize("hidden,inter,config", [
+    (64, 32, SMALL),
+    (48, 48, (16, GemmConfig(32, 64, 4, 2))),  # masked last K tile and last column tile
+])
+def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config):
+    x, ids, _, gate_up, down = case(tokens, top_k, 8, hidden, inter, empty=(6, 7))
+    sorted_ids, order, ends = sorted_rows(ids, 8)
+    w = gate_up.dequantize()
+    h = torch.stack([x[t // top_k] @ w[e].T for t, e in zip(order.tolist(), sorted_ids.tolist(), strict=True)])
+    ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config)
+    torch.testing.assert_close(act, ref, atol=1e-5, rtol=1e-5)
+    d = down.dequantize()
+    ref_down = torch.stack([act[i] @ d[e].T for i, e in enumerate(sorted_ids.tolist())])
+    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config)
+    torch.testing.assert_close(out, ref_down, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_fused_experts_nvfp4_equals_the_loop(tokens):
+    """The dispatcher on the kernels' path (the interpreter on the CPU) against the per-expert loop over the
+    dequantized experts; 7 experts (one empty) and a shared expert added."""
+    x, ids, weights, gate_up, down = case(tokens, 3, 7, 64, 32, empty=(5,))
+    shared = (torch.randn_like(x), torch.rand(tokens, 1, device=DEV))
+    ref = fused_experts_ref(x, ids, weights, gate_up.dequantize(), down.dequantize()) + shared[1] * shared[0]
+    out = moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down, shared)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # fp32 sums in another order, two GEMMs deep
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_no_rows(kernels):
+    x, ids, weights, gate_up, down = case(1, 2, 4, 64, 32)
+    run = moe_nvfp4_triton.fused_experts_nvfp4_triton if kernels else fused_experts_nvfp4
+    out = run(x[:0], ids[:0], weights[:0], gate_up, down)
+    assert out.shape == (0, 64)
+
+
+def test_rows_not_a_multiple_of_16_are_refused():
+    x, ids, _, gate_up, _ = case(2, 2, 4, 64, 32)
+    _, order, ends = sorted_rows(ids, 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        moe_nvfp4_triton.sorted_gate_up_nvfp4(x[:, :40].contiguous(), order, ends, *gate_up, 2)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 37, 4099])
+@pytest.mark.parametrize("shape", [(512, 10, 2048, 512), (512, 10, 2048, 128)])
+def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
+    """bf16 activations at the bench shapes (512 experts, top-10, hidden 2048, intermediate 512) and an
+    intermediate of 128 (an expert's slice under tensor parallelism): within bf16's rounding of the reference,
+    which rounds every dequantized weight to bf16 where the kernels keep ``code * scale`` exact."""
+    experts, top_k, hidden, inter = shape
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(DEV, torch.bfloat16)
+    gate_up, down = quantized(experts, 2 * inter, hidden, g, parts=2), quantized(experts, hidden, inter, g)
+    out = fused_experts_nvfp4(x, ids, weights, gate_up, down)
+    from tidal.kernels.moe import fused_experts
+
+    ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
+    assert _rel(out, ref) < 2e-2
