@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .moe_nvfp4_triton import fp4_pairs
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
+from .quant import NVFP4_GROUP, Nvfp4
 
 # Warps of a router program: the top-k is TOP_K dependent reductions over the experts, and within one
 # warp they need no shared memory. Measured at 512 experts with benchmarks/bench_decode_kernels.py.
@@ -120,29 +122,9 @@ def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
-                    hidden, inter, s_inter, act_width, sx_t, sgu_e,
-                    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
-    # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
-    pdl_wait(PDL)
-    pdl_launch_next(PDL)
-    a = tl.program_id(0).to(tl.int64)
-    per_token: tl.constexpr = TOP_K + SHARED
-    t = a // per_token
-    k = a % per_token
-    if k < TOP_K:
-        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-        w = gu_ptr + expert * sgu_e
-        n_out = inter
-    else:
-        w = sgu_ptr
-        n_out = s_inter
-    n0 = tl.program_id(1) * BLOCK_N
-    if n0 >= n_out:  # the routed and the shared intermediate sizes may differ
-        return
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < n_out
+def _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``(gate, up)`` of columns ``cols`` of the dense ``[gate; up]`` weight at ``w`` (``2 * n_out`` rows of
+    ``hidden``) against the row ``x_row``."""
     g_rows = w + cols.to(tl.int64)[:, None] * hidden  # gate rows; the up rows follow the n_out gate rows
     u_rows = g_rows + n_out * hidden
     ks = tl.arange(0, BLOCK_K)
@@ -150,27 +132,101 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, sgu_ptr, act_ptr,
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         kmask = k0 + ks < hidden
-        xv = tl.load(x_ptr + t * sx_t + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        xv = tl.load(x_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
         m = cmask[:, None] & kmask[None, :]
         g = tl.load(g_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * xv[None, :], 1)
         acc_u += tl.sum(u * xv[None, :], 1)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``n_red / 2``
+    packed bytes and ``n_red / 16`` scale bytes a row), without their global scale."""
+    half = tl.arange(0, BLOCK_K // 2)
+    q_rows = q_ptr + rows[:, None] * (n_red // 2) + half[None, :]
+    s_rows = s_ptr + rows[:, None] * (n_red // GROUP) + (half // (GROUP // 2))[None, :]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, n_red, BLOCK_K):
+        kmask = 2 * half < n_red - k0
+        v_even = tl.load(v_row + k0 + 2 * half, mask=kmask, other=0.0).to(tl.float32)
+        v_odd = tl.load(v_row + k0 + 2 * half + 1, mask=kmask, other=0.0).to(tl.float32)
+        w_even, w_odd = fp4_pairs(q_rows, s_rows, cmask[:, None] & kmask[None, :])
+        acc += tl.sum(w_even * v_even[None, :] + w_odd * v_odd[None, :], 1)
+        q_rows += BLOCK_K // 2
+        s_rows += BLOCK_K // GROUP
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
+                    hidden, inter, s_inter, act_width, sx_t, sgu_e,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
+    pdl_wait(PDL)
+    pdl_launch_next(PDL)
+    a = tl.program_id(0).to(tl.int64)
+    per_token: tl.constexpr = TOP_K + SHARED
+    t = a // per_token
+    k = a % per_token
+    n_out = tl.where(k < TOP_K, inter, s_inter)  # the routed and the shared intermediate sizes may differ
+    n0 = tl.program_id(1) * BLOCK_N
+    if n0 >= n_out:
+        return
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n_out
+    x_row = x_ptr + t * sx_t
+    if FP4:  # routed experts in NVFP4 (gate rows, then up rows, a global scale each), the shared one dense
+        if k < TOP_K:
+            gate_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * 2 * inter + cols
+            acc_g = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows, cmask, hidden, GROUP, BLOCK_N, BLOCK_K)
+            acc_u = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows + inter, cmask, hidden, GROUP, BLOCK_N, BLOCK_K)
+            acc_g *= tl.load(gus2_ptr + gate_rows, mask=cmask, other=0.0)
+            acc_u *= tl.load(gus2_ptr + gate_rows + inter, mask=cmask, other=0.0)
+        else:
+            acc_g, acc_u = _gate_up_rows(x_row, sgu_ptr, cols, cmask, hidden, n_out, BLOCK_N, BLOCK_K)
+    else:
+        if k < TOP_K:
+            w = gu_ptr + tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * sgu_e
+        else:
+            w = sgu_ptr
+        acc_g, acc_u = _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N, BLOCK_K)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(act_ptr + a * act_width + cols, act.to(act_ptr.dtype.element_ty), mask=cmask)
 
 
 @triton.jit
-def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_ptr,
+def _dense_rows(rows, a_row, cmask, n_red, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """fp32 ``sum_k rows[:, k] * a[k]`` (``rows``: pointers to each dense row); the first weight tile is loaded
+    before the wait for the previous kernel, the activations after it."""
+    ks = tl.arange(0, BLOCK_K)
+    first = tl.load(rows + ks[None, :], mask=cmask[:, None] & (ks < n_red)[None, :], other=0.0)
+    pdl_wait(PDL)
+    av = tl.load(a_row + ks, mask=ks < n_red, other=0.0).to(tl.float32)
+    part = tl.sum(first.to(tl.float32) * av[None, :], 1)
+    for k0 in range(BLOCK_K, n_red, BLOCK_K):
+        kmask = k0 + ks < n_red
+        av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+        d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        part += tl.sum(d * av[None, :], 1)
+    return part
+
+
+@triton.jit
+def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, sgate_ptr, part_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, GROUP: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
     shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``.
 
     Launched with PDL it starts while ``_gate_up_kernel`` finishes: the expert ids are the router's (whose
-    grid has completed once every gate_up program has passed its wait, see there), so a program loads its
-    first tile of weights before its own wait, and the activations after it."""
+    grid has completed once every gate_up program has passed its wait, see there), so a dense program loads
+    its first tile of weights before its own wait, and the activations after it."""
     pdl_launch_next(PDL)
     a = tl.program_id(0).to(tl.int64)
     per_token: tl.constexpr = TOP_K + SHARED
@@ -179,25 +235,25 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, sdown_ptr, sgate_ptr, part_p
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     col_off = cols.to(tl.int64)[:, None]
-    if k < TOP_K:
-        expert = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64)
-        rows = down_ptr + expert * sd_e + col_off * inter
-        n_red = inter
-    else:
-        rows = sdown_ptr + col_off * s_inter
-        n_red = s_inter
-    ks = tl.arange(0, BLOCK_K)
-    first = tl.load(rows + ks[None, :], mask=cmask[:, None] & (ks < n_red)[None, :], other=0.0)
-    pdl_wait(PDL)
     a_row = act_ptr + a * act_width
-    av = tl.load(a_row + ks, mask=ks < n_red, other=0.0).to(tl.float32)
-    part = tl.sum(first.to(tl.float32) * av[None, :], 1)
-    for k0 in range(BLOCK_K, n_red, BLOCK_K):
-        kmask = k0 + ks < n_red
-        av = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
-        d = tl.load(rows + k0 + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        part += tl.sum(d * av[None, :], 1)
+    if FP4:  # routed experts in NVFP4, the shared one dense
+        if k < TOP_K:
+            w_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * hidden + cols
+            pdl_wait(PDL)
+            part = _fp4_rows(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, GROUP, BLOCK_N, BLOCK_K)
+            part *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0)
+        else:
+            part = _dense_rows(sdown_ptr + col_off * s_inter, a_row, cmask, s_inter, BLOCK_K, PDL)
+    else:
+        if k < TOP_K:
+            rows = down_ptr + tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * sd_e + col_off * inter
+            n_red = inter
+        else:
+            rows = sdown_ptr + col_off * s_inter
+            n_red = s_inter
+        part = _dense_rows(rows, a_row, cmask, n_red, BLOCK_K, PDL)
     if k >= TOP_K:
+        ks = tl.arange(0, BLOCK_K)
         gate = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             kmask = k0 + ks < hidden
@@ -230,22 +286,38 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
 COMBINE_BLOCK = 512
 
 
-def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | Nvfp4,
+             down: torch.Tensor | Nvfp4, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              configs: tuple[GemvConfig, GemvConfig] | None = None) -> torch.Tensor:
     """``sum_k w_k * down_e(silu(gate_e(x)) * up_e(x))`` over each token's experts ``e = ids[:, k]``, plus
     ``sigmoid(x . gate_s) * down_s(silu(gate_s(x)) * up_s(x))`` when ``shared`` is given; three launches.
 
     Args: x ``[T, H]``; ids, weights ``[T, K]``; gate_up ``[E, 2I, H]`` (gate rows first); down
     ``[E, H, I]``; ``shared = (gate_up_s [2Is, H], down_s [H, Is], gate [1, H] or [H])``. Weights in
-    x's dtype, contiguous along their last dimension; ``configs`` overrides :data:`CONFIGS`.
+    x's dtype, contiguous along their last dimension, or the routed experts as contiguous
+    :class:`~tidal.kernels.quant.Nvfp4` stacks (each assignment then streams 4.5 bits a weight: packed codes and
+    group scales decoded in registers, the row's global scale applied to its sum). ``configs`` overrides
+    :data:`CONFIGS`.
     """
     tokens, hidden = x.shape
     top_k = ids.shape[1]
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
-    assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
-    assert gate_up.stride(2) == 1 and gate_up.stride(1) == hidden and down.stride(2) == 1 and down.stride(1) == inter
+    fp4 = isinstance(gate_up, Nvfp4)
+    if fp4:
+        assert isinstance(down, Nvfp4)
+        num_experts, two_inter = gate_up.packed.shape[:2]
+        inter = two_inter // 2
+        assert gate_up.packed.shape == (num_experts, two_inter, hidden // 2) and hidden % NVFP4_GROUP == 0
+        assert down.packed.shape == (num_experts, hidden, inter // 2) and inter % NVFP4_GROUP == 0
+        assert all(t.is_contiguous() for t in (*gate_up, *down))
+        gu, gus, gus2 = gate_up.packed, gate_up.scale.view(torch.uint8), gate_up.scale_2
+        dn, ds, ds2 = down.packed, down.scale.view(torch.uint8), down.scale_2
+    else:
+        num_experts, two_inter, _ = gate_up.shape
+        inter = two_inter // 2
+        assert gate_up.shape[2] == hidden and down.shape == (num_experts, hidden, inter)
+        assert gate_up.stride(2) == 1 and gate_up.stride(1) == hidden
+        assert down.stride(2) == 1 and down.stride(1) == inter
+        gu, gus, gus2, dn, ds, ds2 = gate_up, gate_up, gate_up, down, down, down  # no scales
     out = torch.empty_like(x)
     if tokens == 0:
         return out
@@ -257,7 +329,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         assert s_gate_up.shape == (2 * s_inter, hidden) and s_down.shape == (hidden, s_inter)
         assert s_gate.numel() == hidden
     else:
-        s_gate_up, s_down, s_gate, s_inter = gate_up, down, x, 0
+        s_gate_up, s_down, s_gate, s_inter = x, x, x, 0  # not read
     per_token = top_k + (shared is not None)
     width = max(inter, s_inter)
     cfg_a, cfg_b = configs or pick_config(tokens)
@@ -265,13 +337,13 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
-        x, ids, gate_up, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gate_up.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_a.block_n,
+        x, ids, gu, gus, gus2, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gu.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, GROUP=NVFP4_GROUP, BLOCK_N=cfg_a.block_n,
         BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
-        x, act, ids, down, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), down.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, BLOCK_N=cfg_b.block_n,
+        x, act, ids, dn, ds, ds2, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), dn.stride(0),
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, GROUP=NVFP4_GROUP, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps, **launch)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))

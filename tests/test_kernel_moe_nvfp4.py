@@ -102,6 +102,26 @@ def test_rows_not_a_multiple_of_16_are_refused():
         moe_nvfp4_triton.sorted_gate_up_nvfp4(x[:, :40].contiguous(), order, ends, *gate_up, 2)
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_moe_gemv_reads_nvfp4_experts(tokens, with_shared):
+    """The decode GEMVs over NVFP4 routed experts (the shared expert dense, wider than the routed ones) against
+    the loop over the dequantized experts; several tile configs, one with a K tile past the reduction."""
+    from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv
+
+    x, ids, weights, gate_up, down = case(tokens, 3, 8, 80, 32, seed=4)
+    g = torch.Generator().manual_seed(1)
+    s_gu, s_d, s_g = (torch.randn(*shape, generator=g).to(DEV) / 8 for shape in ((96, 80), (80, 48), (1, 80)))
+    shared = (s_gu, s_d, s_g) if with_shared else None
+    ref = fused_experts_ref(x, ids, weights, gate_up.dequantize(), down.dequantize())
+    if with_shared:
+        gate, up = (x @ s_gu.T).chunk(2, dim=-1)
+        ref = ref + torch.sigmoid(x @ s_g.T) * ((torch.nn.functional.silu(gate) * up) @ s_d.T)
+    for cfg in (None, (GemvConfig(16, 32, 4), GemvConfig(8, 16, 4)), (GemvConfig(8, 128, 2), GemvConfig(16, 64, 2))):
+        out = moe_gemv(x, ids, weights, gate_up, down, shared, configs=cfg)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -122,5 +142,23 @@ def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
     out = fused_experts_nvfp4(x, ids, weights, gate_up, down)
     from tidal.kernels.moe import fused_experts
 
+    ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
+    assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens):
+    """The decode GEMVs over NVFP4 experts at the bench shapes, bf16, against the grouped path's reference over
+    the dequantized experts."""
+    from tidal.kernels.moe import fused_experts
+    from tidal.kernels.moe_decode_triton import moe_gemv
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 2048, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(512, generator=g)[:10] for _ in range(tokens)]).to(DEV)
+    weights = torch.softmax(torch.randn(tokens, 10, generator=g), -1).to(DEV, torch.bfloat16)
+    gate_up, down = quantized(512, 1024, 2048, g, parts=2), quantized(512, 2048, 512, g)
+    out = moe_gemv(x, ids, weights, gate_up, down)
     ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
     assert _rel(out, ref) < 2e-2
