@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.backend import use_triton
-from ..kernels.quant import FP8_BLOCK, NVFP4_GROUP, dequantize_fp8_block, dequantize_nvfp4
+from ..kernels.moe import fused_experts, fused_experts_nvfp4
+from ..kernels.quant import FP8_BLOCK, NVFP4_GROUP, Nvfp4, dequantize_fp8_block, dequantize_nvfp4
 
 EXPERT_FORMATS = ("nvfp4", "fp8")
 # The per-expert parts of a QuantTensor, in order (buffer names end in them).
@@ -80,6 +81,11 @@ class QuantTensor:
         return out
 
     # -- values ----------------------------------------------------------------------------------
+    def nvfp4(self) -> Nvfp4:
+        """The NVFP4 parts as the kernels read them."""
+        assert self.fmt == "nvfp4", self.fmt
+        return Nvfp4(self.data, self.scale, self.scale_2)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[..., R, C]`` values in ``dtype`` (one Triton launch for CUDA tensors)."""
         block_rows = self.block_rows.to(self.data.device) if self.block_rows is not None else None
@@ -108,6 +114,22 @@ def new_like(t: torch.Tensor | QuantTensor, experts: int, device: torch.device |
 
 def expert_bytes(t: torch.Tensor | QuantTensor) -> int:
     return t.bytes_per_expert() if isinstance(t, QuantTensor) else t[0].numel() * t.element_size()
+
+
+def read_packed(x: torch.Tensor, t: torch.Tensor | QuantTensor) -> bool:
+    """Whether the experts ``t`` compute against ``x`` in their stored bytes: NVFP4 on the kernels' path (CUDA,
+    Triton, ``nvfp4`` not sent to the reference by ``TIDAL_KERNELS``)."""
+    return isinstance(t, QuantTensor) and t.fmt == "nvfp4" and use_triton(x, "nvfp4")
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor | QuantTensor,
+                   down: torch.Tensor | QuantTensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor:
+    """:func:`~tidal.kernels.moe.fused_experts` over experts in any stored format: NVFP4 read packed where
+    :func:`read_packed`, anything else dequantized to ``x``'s dtype first."""
+    if read_packed(x, gate_up):
+        return fused_experts_nvfp4(x, ids, weights, gate_up.nvfp4(), down.nvfp4(), shared)
+    return fused_experts(x, ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype), shared)
 
 
 def dense(t: torch.Tensor | QuantTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -179,8 +179,11 @@ def fused_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     return fused_experts_nvfp4_triton(x, ids, weights, gate_up, down, shared)
 
 
-def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor | Nvfp4) -> bool:
     """Whether a decode batch of ``x``'s rows may run its experts as ``moe_decode_triton.moe_gemv`` (CUDA,
-    Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype)."""
-    return use_triton(x, "moe_gemv") and 0 < x.shape[0] <= GEMV_MAX_TOKENS and gate_up.dtype == x.dtype
-
+    Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype or NVFP4 read packed)."""
+    if not (use_triton(x, "moe_gemv") and 0 < x.shape[0] <= GEMV_MAX_TOKENS):
+        return False
+    if isinstance(gate_up, Nvfp4):
+        return use_triton(x, "nvfp4")
+    return gate_up.dtype == x.dtype

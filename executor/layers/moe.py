@@ -9,9 +9,10 @@ from torch import nn
 from ...config.model import ModelConfig
 from ...kernels.backend import use_triton
 from ...kernels.gemv import linear
-from ...kernels.moe import add_shared, fused_experts, gemv_applies, route
+from ...kernels.moe import add_shared, gemv_applies, route
+from ...kernels.quant import Nvfp4
 from ..distributed import split
-from ..quant import PARTS, QuantTensor, dense, empty_experts, stacked_block_rows
+from ..quant import PARTS, QuantTensor, empty_experts, read_packed, routed_experts, stacked_block_rows
 from .linear import Linear, StackedWeight
 
 
@@ -98,13 +99,22 @@ class RoutedExperts(nn.Module):
         if self.store is not None:
             return add_shared(self.store.forward(self.layer_idx, x, ids, weights), shared)
         gate_up, down = self.gate_up, self.down
-        if self.fmt is not None and ids.numel() < self.num_experts:
-            # Quantized, and fewer (token, expert) pairs than experts (decode): dequantize only the routed
-            # experts, one copy per pair, numbered 0..n-1 (shapes alone decide: no host sync, graph-safe).
+        if self.fmt is not None and not read_packed(x, gate_up) and ids.numel() < self.num_experts:
+            # Dequantized per use, and fewer (token, expert) pairs than experts (decode): dequantize only the
+            # routed experts, one copy per pair, numbered 0..n-1 (shapes alone decide: no host sync, graph-safe).
             flat = ids.reshape(-1)
             gate_up, down = gate_up.index_select(0, flat), down.index_select(0, flat)
             ids = torch.arange(flat.numel(), device=ids.device, dtype=ids.dtype).view_as(ids)
-        return fused_experts(x, ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype), shared)
+        return routed_experts(x, ids, weights, gate_up, down, shared)
+
+    def gemv_weights(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[Nvfp4, Nvfp4] | None:
+        """``(gate_up, down)`` as the decode GEMV kernels read them (dense, or NVFP4 stacks); None where they
+        cannot (offloaded experts, block FP8)."""
+        if self.store is not None or self.fmt == "fp8":
+            return None
+        if self.fmt is None:
+            return self.gate_up_proj, self.down_proj
+        return self.gate_up.nvfp4(), self.down.nvfp4()
 
 
 class SparseMoE(nn.Module):
@@ -126,12 +136,13 @@ class SparseMoE(nn.Module):
         """``decode``: every row decodes a generated token (small such batches take the GEMV kernels)."""
         weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
         experts, shared = self.experts, self.shared_expert
-        if decode and experts.store is None and experts.fmt is None and gemv_applies(x, experts.gate_up_proj):
+        routed = experts.gemv_weights() if decode else None
+        if routed is not None and gemv_applies(x, routed[0]):
             # Small decode batches: routed and shared experts, gate and sum in three GEMV-shaped launches.
             from ...kernels.moe_decode_triton import moe_gemv
 
             inter = shared.gate_proj.weight.shape[0]
-            return moe_gemv(x, ids, weights, experts.gate_up_proj, experts.down_proj,
+            return moe_gemv(x, ids, weights, *routed,
                             (shared.gate_up()[:2 * inter], shared.down_proj.weight, self.shared_expert_gate.weight))
         gate = torch.sigmoid(self.shared_expert_gate(x))
         return self.experts(x, ids, weights, shared=(self.shared_expert(x), gate))

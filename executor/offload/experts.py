@@ -24,8 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ...kernels.moe import fused_experts
-from ..quant import QuantTensor, dense, expert_bytes, new_like
+from ..quant import QuantTensor, expert_bytes, new_like, read_packed, routed_experts
 
 # A batch whose cache misses exceed this fraction of a layer's experts streams the whole layer (one
 # large copy, and the next layer prefetched) instead of copying expert by expert.
@@ -73,8 +72,8 @@ class ExpertStore:
 
     # ---- what the MoE layer calls ----------------------------------------------------------------
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down, local_ids = self._experts_for(layer, ids)
-        return fused_experts(x, local_ids, weights, dense(gate_up, x.dtype), dense(down, x.dtype))
+        gate_up, down, local_ids = self._experts_for(layer, ids, in_place=read_packed(x, self.cache_gate_up))
+        return routed_experts(x, local_ids, weights, gate_up, down)
 
     def begin(self) -> None:
         """A layer-major prefill starts: its MoE calls (inside :meth:`whole_layers`) take their layer whole
@@ -127,7 +126,10 @@ class ExpertStore:
                 "expert_layer_streams": [self.layer_streams[i] for i in self.layers]}
 
     # ---- internals -------------------------------------------------------------------------------
-    def _experts_for(self, layer: int, ids: torch.Tensor):
+    def _experts_for(self, layer: int, ids: torch.Tensor, in_place: bool):
+        """``(gate_up, down, ids)`` for this batch: a whole layer, or the cache with ``ids`` mapped to slots. Cached
+        quantized experts the kernels do not read ``in_place`` are taken out, only the slots routed to (each is
+        dequantized per use)."""
         if self._whole_layers:  # layer-major: whole layers, decided without looking at the routing
             return (*self._layer(layer), ids)
         experts = torch.unique(ids).tolist()  # offload needs the routed set on the host
@@ -139,8 +141,8 @@ class ExpertStore:
             return (*self._layer(layer), ids)
         slots = self._cache(layer, experts)
         remap = torch.full((self.num_experts,), -1, dtype=torch.long)
-        if isinstance(self.cache_gate_up, QuantTensor):
-            # Dequantized per use: only the slots this batch routes to, numbered 0..n-1.
+        if isinstance(self.cache_gate_up, QuantTensor) and not in_place:
+            # Only the slots this batch routes to, numbered 0..n-1.
             index = torch.tensor(slots, dtype=torch.long).to(self.device)
             remap[experts] = torch.arange(len(experts), dtype=torch.long)
             return (self.cache_gate_up.index_select(0, index), self.cache_down.index_select(0, index),
