@@ -174,15 +174,28 @@ def prefill_flops(c: ModelConfig, length: int) -> dict[str, int]:
     return terms
 
 
-def decode_bytes(c: ModelConfig, batch: int, context: float, elem: int) -> dict[str, float]:
-    """HBM bytes one decode step of ``batch`` requests must move, by term (module docstring)."""
+def expert_bytes(c: ModelConfig, fmt: str | None, elem: int) -> int:
+    """Bytes of one routed expert (gate, up and down) as tidal stores it: ``elem`` bytes a parameter, or the
+    quantized layout ``fmt`` (``nvfp4``: 4.5 bits a weight and an fp32 scale a row; ``fp8``: a byte a weight and
+    the 128 x 128 block scales)."""
+    h, inter = c.hidden_size, c.moe_intermediate_size
+    if fmt is None:
+        return 3 * h * inter * elem
+    from tidal.executor.quant import empty_experts
+
+    return sum(empty_experts(fmt, 1, parts, cols, "meta").bytes_per_expert()
+               for parts, cols in (([inter, inter], h), ([h], inter)))
+
+
+def decode_bytes(c: ModelConfig, batch: int, context: float, elem: int, fmt: str | None = None) -> dict[str, float]:
+    """HBM bytes one decode step of ``batch`` requests must move, by term (module docstring); routed experts in
+    ``fmt`` (None: ``elem`` bytes a parameter)."""
     macs = projection_macs(c)
     h, hc = c.hidden_size, c.hc_count
     conv_taps = len(c.linear_layers) * c.gdn_conv_dim * c.linear_conv_kernel_dim
     conv_taps += len(c.ple_layers) * hc * h * c.ple_conv_kernel_size
     dense = sum(v for k, v in macs.items() if k != "moe.routed") + sum(head_macs(c).values()) + conv_taps
     experts = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
-    expert_params = 3 * h * c.moe_intermediate_size
     pos = torch.tensor([int(round(context))])
     keys = int(attended_keys(c, pos)[0])
     per_token_kv = 2 * c.num_key_value_heads * c.head_dim + (c.indexer_head_dim if c.has_qsa else 0)
@@ -194,7 +207,7 @@ def decode_bytes(c: ModelConfig, batch: int, context: float, elem: int) -> dict[
     return {
         "weights.dense": dense * elem,
         "weights.embedding_rows": batch * (h + n_ple * c.ple_embed_dim) * elem,
-        "weights.routed_experts": c.num_hidden_layers * experts * expert_params * elem,
+        "weights.routed_experts": c.num_hidden_layers * experts * expert_bytes(c, fmt, elem),
         "kv.read": n_attn * batch * (keys * 2 * c.num_key_value_heads * c.head_dim + index_read) * elem,
         "kv.write": n_attn * batch * per_token_kv * elem,
         "gdn.state": n_gdn * batch * 2 * gdn_state,
@@ -221,13 +234,15 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(TOKEN_LOW, TOKEN_HIGH, (n,), generator=gen).tolist()
 
 
-def build_llm(ckpt: str, ns: argparse.Namespace, lengths: list[int], batches: list[int]) -> LLM:
+def build_llm(ckpt: str, ns: argparse.Namespace, lengths: list[int], batches: list[int],
+              quantization: str | None = None) -> LLM:
     page = 16
     per_request = -(-(ns.decode_context + 2 * (DECODE_WARMUP + ns.decode_steps) + 1) // page) * page
     max_len = max([*lengths, per_request, 2])
     kv_tokens = max(max_len, max(batches) * per_request) + page
     return LLM(ckpt, device=ns.device, dtype=ns.dtype, load_format="random", max_prefill_length=max(lengths),
-               max_model_len=max_len, kv_pool_tokens=kv_tokens, max_running_requests=max(batches), page_size=page)
+               max_model_len=max_len, kv_pool_tokens=kv_tokens, max_running_requests=max(batches), page_size=page,
+               quantization=quantization)
 
 
 def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.device,
@@ -252,7 +267,7 @@ def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.de
 
 
 def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, steps: int, device: torch.device,
-                 bandwidth: float, elem: int, graphs: bool) -> list[dict[str, Any]]:
+                 bandwidth: float, elem: int, graphs: bool, fmt: str | None = None) -> list[dict[str, Any]]:
     page = llm.sizes.page_size
     per_request = -(-(context + 2 * (DECODE_WARMUP + steps) + 1) // page)
     rows = []
@@ -314,7 +329,7 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
         if graphs and replays != want:
             print(f"decode graphs on batch {size}: only {replays} of {want} steps ran from the graph path", flush=True)
         for arm, sec, steps_ms, mean_context in arms:
-            terms = decode_bytes(c, size, mean_context, elem)
+            terms = decode_bytes(c, size, mean_context, elem, fmt)
             floor = sum(terms.values()) / bandwidth
             rows.append({"cuda_graph": graphs, "pipelined": bool(arm), "graph_steps": replays, "batch": size,
                          "graph_replay_ms": replay_ms,
@@ -324,6 +339,33 @@ def bench_decode(llm: LLM, c: ModelConfig, batches: list[int], context: int, ste
             print(f"decode graphs {'on' if graphs else 'off'}{arm} batch {size}: {sec * 1e3:.2f} ms/step, "
                   f"{size / sec:.1f} tok/s, floor {floor * 1e3:.3f} ms ({floor / sec:.3f})", flush=True)
     return rows
+
+
+def bench_arm(ckpt: str, ns: argparse.Namespace, config: ModelConfig, device: torch.device, peak: float,
+              bandwidth: float, elem: int, fmt: str) -> dict[str, Any]:
+    """Prefill and decode of one weight format (``bf16``: the model in ``--dtype``; ``nvfp4``, ``fp8``: random
+    routed experts and n-gram table in that layout), each decode row against the floor of its own bytes."""
+    quantization = None if fmt == "bf16" else fmt
+    print(f"arm {fmt}", flush=True)
+    t0 = time.monotonic()
+    llm = build_llm(ckpt, ns, ns.lengths, ns.decode_batches, quantization)
+    arm: dict[str, Any] = {"load_s": time.monotonic() - t0}
+    with contextlib.suppress(Exception):  # an internal detail; only a cross-check of the formula
+        arm["params_model"] = sum(p.numel() for p in llm.runner.model.parameters())
+    arm["prefill"] = bench_prefill(llm, config, ns.lengths, device, peak)
+    graphs, arm["decode"] = llm.runner.graphs, []
+    for mode in ns.decode_graphs.split(","):  # between arms no request holds a slot
+        if mode == "on" and graphs is None:
+            print("decode graphs on: this device runs no CUDA graphs; skipped", flush=True)
+            continue
+        llm.runner.graphs = graphs if mode == "on" else None
+        arm["decode"] += bench_decode(llm, config, ns.decode_batches, ns.decode_context, ns.decode_steps,
+                                      device, bandwidth, elem, graphs=mode == "on", fmt=quantization)
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return arm
 
 
 # ---- kernels --------------------------------------------------------------------------------------
@@ -384,8 +426,9 @@ def environ(overrides: dict[str, str]) -> Iterator[None]:
 
 
 def kernel_cases(c: ModelConfig, device: torch.device, dtype: torch.dtype, tokens: int, batch: int,
-                 context: int) -> list[KernelCase]:
-    """The kernel table: model shapes of ``c`` at ``tokens`` prefill rows and ``batch`` decode rows."""
+                 context: int, formats: tuple[str, ...] = ("bf16",)) -> list[KernelCase]:
+    """The kernel table: model shapes of ``c`` at ``tokens`` prefill rows and ``batch`` decode rows; with
+    ``nvfp4`` among ``formats``, the routed experts in NVFP4 too."""
     eb = torch.tensor([], dtype=dtype).element_size()
     h, hc = c.hidden_size, c.hc_count
     width = hc * h
@@ -551,7 +594,41 @@ def kernel_cases(c: ModelConfig, device: torch.device, dtype: torch.dtype, token
                 [fast], [attr("tidal.kernels.moe", "fused_experts_ref", moe)], [_grouped_mm_candidate],
                 lambda a: (a["distinct"] * 3 * h * inter + 2 * a["x"].numel()) * eb + a["ids"].numel() * (8 + eb),
                 lambda a: 2 * a["ids"].numel() * 3 * h * inter))
+    if "nvfp4" in formats:
+        cases += nvfp4_cases(c, moe_args, moe, tokens, batch, eb)
     return cases
+
+
+def nvfp4_cases(c: ModelConfig, moe_args: Callable[[int], Args], moe: Callable[[Any, Args], Any], tokens: int,
+                batch: int, eb: int) -> list[KernelCase]:
+    """The routed experts in NVFP4 at the bf16 cases' shapes: the kernels that read the packed experts (grouped
+    GEMMs for prefill, GEMVs for decode), the reference (experts dequantized per call, then the bf16 path) and,
+    as the library column, the bf16 experts' own fast path on the same rows."""
+    h, inter = c.hidden_size, c.moe_intermediate_size
+    one = expert_bytes(c, "nvfp4", eb)
+
+    def args(rows: int) -> Args:
+        from tidal.executor.quant import quantize_experts
+
+        a = moe_args(rows)
+        a["q_gate_up"] = quantize_experts(a["gate_up"], [inter, inter], "nvfp4")
+        a["q_down"] = quantize_experts(a["down"], [h], "nvfp4")
+        return a
+
+    routed = lambda f, a: f(a["x"], a["ids"], a["w"], a["q_gate_up"], a["q_down"])  # noqa: E731
+    packed = lambda f, a: f(a["x"], a["ids"], a["w"], a["q_gate_up"].nvfp4(), a["q_down"].nvfp4())  # noqa: E731
+    ref = attr("tidal.executor.quant", "routed_experts", routed, env={"TIDAL_KERNELS": "torch:nvfp4"},
+               label="executor.quant.routed_experts [TIDAL_KERNELS=torch:nvfp4: dequantized per call]")
+    phases = (("prefill", tokens, attr("tidal.kernels.moe", "fused_experts_nvfp4", packed),
+               attr("tidal.kernels.moe", "fused_experts", moe, label="bf16 experts: kernels.moe.fused_experts")),
+              ("decode", batch, attr("tidal.kernels.moe_decode_triton", "moe_gemv", packed, cuda_only=True),
+               attr("tidal.kernels.moe_decode_triton", "moe_gemv", moe, cuda_only=True,
+                    label="bf16 experts: kernels.moe_decode_triton.moe_gemv")))
+    return [KernelCase(
+        f"nvfp4 experts {phase}", f"T {rows}, E {c.num_experts}, top {c.num_experts_per_tok}, H {h}, I {inter}",
+        lambda rows=rows: args(rows), [fast], [ref], [library],
+        lambda a: a["distinct"] * one + 2 * a["x"].numel() * eb + a["ids"].numel() * (8 + eb),
+        lambda a: 2 * a["ids"].numel() * 3 * h * inter) for phase, rows, fast, library in phases]
 
 
 def _kv_read(a: Args, nkv: int, hd: int) -> int:
@@ -764,16 +841,18 @@ def report(results: dict[str, Any]) -> str:
         p, b = results["peak"], results["bandwidth"]
         out.append(f"peak {p['flops_per_s'] / 1e12:.3g} TFLOP/s ({p['n']}^3 {p['dtype']} matmul), "
                    f"bandwidth {b['bytes_per_s'] / 1e9:.3g} GB/s (copy, read + write)")
-    if results.get("prefill"):
-        out += ["", "prefill (one cold forward, median of 3)", table(
-            ["tokens", "ms", "tok/s", "TFLOP", "TFLOP/s", "MFU"],
-            [[r["tokens"], r["ms"], r["tok_s"], r["flops"] / 1e12, r["flops_per_s"] / 1e12, r["mfu"]]
-             for r in results["prefill"]])]
-    if results.get("decode"):
-        out += ["", "decode (median step of B requests)", table(
-            ["graphs", "batch", "context", "ms/step", "tok/s", "floor MB", "floor ms", "floor/measured"],
-            [["on" if r.get("cuda_graph") else "off", r["batch"], r["context"], r["step_ms"], r["tok_s"],
-              r["floor_bytes"] / 1e6, r["floor_ms"], r["floor_fraction"]] for r in results["decode"]])]
+    arms = results.get("arms") or {m.get("quantization", ["bf16"])[0]: results}
+    for fmt, arm in arms.items():
+        if arm.get("prefill"):
+            out += ["", f"{fmt}: prefill (one cold forward, median of 3)", table(
+                ["tokens", "ms", "tok/s", "TFLOP", "TFLOP/s", "MFU"],
+                [[r["tokens"], r["ms"], r["tok_s"], r["flops"] / 1e12, r["flops_per_s"] / 1e12, r["mfu"]]
+                 for r in arm["prefill"]])]
+        if arm.get("decode"):
+            out += ["", f"{fmt}: decode (median step of B requests; floor of {fmt}'s bytes)", table(
+                ["graphs", "batch", "context", "ms/step", "tok/s", "floor MB", "floor ms", "floor/measured"],
+                [["on" if r.get("cuda_graph") else "off", r["batch"], r["context"], r["step_ms"], r["tok_s"],
+                  r["floor_bytes"] / 1e6, r["floor_ms"], r["floor_fraction"]] for r in arm["decode"]])]
     if results.get("kernels"):
         out += ["", "kernels: ms (fraction of roofline)", table(
             ["kernel", "shape", "floor ms", "bound", "fast", "ref", "library"],
@@ -826,7 +905,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(same preset, dtype, device) that this run skips")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--quantization", type=formats, default=["bf16"],
+                    help="weight formats, one arm each in this process: bf16 (the model in --dtype), nvfp4, fp8 "
+                         "(random routed experts and n-gram table in that layout); comma-separated")
     return ap.parse_args(argv)
+
+
+def formats(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = sorted(set(names) - {"bf16", "nvfp4", "fp8"})
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--quantization {text!r}: expected bf16, nvfp4 and fp8 only")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -838,13 +928,14 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     meta = {"script": "benchmarks/bench_forward.py", "argv": sys.argv[1:] if argv is None else argv,
             "preset": ns.preset, "device": str(device), "device_name": name, "dtype": ns.dtype,
+            "quantization": ns.quantization,
             "versions": versions(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"device {name}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), flush=True)
     results: dict[str, Any] = {}
     if ns.merge and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        same = all(old.get("meta", {}).get(k) == meta[k] for k in ("preset", "dtype", "device_name"))
+        same = all(old.get("meta", {}).get(k) == meta[k] for k in ("preset", "dtype", "device_name", "quantization"))
         if same:
             results = {k: v for k, v in old.items() if k != "meta"}
     results["meta"] = meta
@@ -864,32 +955,21 @@ def main(argv: list[str] | None = None) -> int:
         save(path, results)
 
         if ns.tidal:
-            t0 = time.monotonic()
-            llm = build_llm(ckpt, ns, ns.lengths, ns.decode_batches)
-            results["load_s"] = time.monotonic() - t0
-            with contextlib.suppress(Exception):  # an internal detail; only a cross-check of the formula
-                results["config"]["params_model"] = sum(p.numel() for p in llm.runner.model.parameters())
-            results["prefill"] = bench_prefill(llm, config, ns.lengths, device, peak)
-            save(path, results)
-            graphs, results["decode"] = llm.runner.graphs, []
-            for mode in ns.decode_graphs.split(","):  # between arms no request holds a slot
-                if mode == "on" and graphs is None:
-                    print("decode graphs on: this device runs no CUDA graphs; skipped", flush=True)
-                    continue
-                llm.runner.graphs = graphs if mode == "on" else None
-                results["decode"] += bench_decode(llm, config, ns.decode_batches, ns.decode_context, ns.decode_steps,
-                                                  device, bandwidth, elem, graphs=mode == "on")
-            save(path, results)
-            del llm
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            results["arms"] = {}
+            for fmt in ns.quantization:
+                results["arms"][fmt] = arm = bench_arm(ckpt, ns, config, device, peak, bandwidth, elem, fmt)
+                if fmt == ns.quantization[0]:  # the first arm's tables at the top level as well
+                    results["load_s"], results["prefill"], results["decode"] = arm["load_s"], arm["prefill"], \
+                        arm["decode"]
+                    with contextlib.suppress(KeyError):
+                        results["config"]["params_model"] = arm.pop("params_model")
+                save(path, results)
 
         if ns.kernels:
             cuda = device.type == "cuda"
             tokens = ns.kernel_tokens or (32768 if cuda else 256)
             context = ns.kernel_context or (8192 if cuda else 512)
-            cases = kernel_cases(config, device, dtype, tokens, ns.kernel_batch, context)
+            cases = kernel_cases(config, device, dtype, tokens, ns.kernel_batch, context, tuple(ns.quantization))
             results["kernels"] = bench_kernels(cases, device, peak, bandwidth, ns.kernel_budget_s)
             save(path, results)
 

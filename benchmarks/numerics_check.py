@@ -3,6 +3,12 @@ prefix-cache hit must not change.
 
     python benchmarks/numerics_check.py --out DIR [--preset small] [--tokens 2048] [--device cuda]
         [--chunk 1000] [--greedy-tokens 32] [--bisect 'torch;torch:moe,route']
+        [--quantization nvfp4 [--reference-kernels torch:nvfp4]]
+
+With ``--quantization`` the preset is written with its routed experts and n-gram table in that published
+layout, and the teacher-forced baseline is the same checkpoint in bf16 on its reference path
+(``TIDAL_KERNELS=--reference-kernels``, by default the experts dequantized before the grouped GEMM): the
+gates then measure what the kernels that read the stored format change, with ``mean_abs_nll_diff`` <= 0.01.
 
 The preset is written with seeded weights (``write_checkpoint(preset, dir, seed=0)``); the prompt is
 ``--tokens`` ids drawn with ``torch.Generator().manual_seed(0)`` from [1000, 240000), with the config's
@@ -21,7 +27,7 @@ Gates (the seed write-up's teacher-forced protocol, fp32 as the baseline):
 
 The fp32 baseline runs on the device's default kernels; where they refuse fp32 (flash-linear-attention's
 chunked GDN asserts on it) it runs on the torch references instead (``TIDAL_KERNELS=torch``), and
-``teacher_forced.fp32_kernels`` says which. TF32 is off for it.
+``teacher_forced.reference_kernels`` says which. TF32 is off for it.
 
 It also reports, without gating, whether the device's GEMMs (dense, at every weight shape the model
 runs, and grouped) give a row the same result whatever the number of rows beside it, for the row counts
@@ -40,6 +46,7 @@ Prints PASS/FAIL per gate, writes ``DIR/numerics_check.json``, exits 1 when a ga
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -60,6 +67,7 @@ from tidal.scheduler.chunking import chunk_step
 MARGIN = 0.2
 MIN_AGREEMENT = 0.99
 MAX_NLL_DIFF = 0.02
+MAX_NLL_DIFF_QUANTIZED = 0.01
 ROWS = 256  # log-softmax rows at a time: [ROWS, vocab] fp32 stays small
 
 
@@ -75,6 +83,20 @@ def free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def kernels(value: str):
+    """``TIDAL_KERNELS=value`` inside, the previous setting after."""
+    previous = os.environ.get("TIDAL_KERNELS")
+    os.environ["TIDAL_KERNELS"] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TIDAL_KERNELS", None)
+        else:
+            os.environ["TIDAL_KERNELS"] = previous
 
 
 def score(ckpt: str, device: str, dtype: str, prompt: list[int]) -> torch.Tensor:
@@ -97,15 +119,8 @@ def score_fp32(ckpt: str, device: str, prompt: list[int]) -> tuple[torch.Tensor,
         reason = f"{type(e).__name__}: {e}"[:300]
         print(f"fp32 on the default kernels failed ({reason}); fp32 baseline on TIDAL_KERNELS=torch", flush=True)
     free(device)  # the failed model was still referenced by the exception's traceback
-    previous = os.environ.get("TIDAL_KERNELS")
-    os.environ["TIDAL_KERNELS"] = "torch"
-    try:
+    with kernels("torch"):
         return score(ckpt, device, "float32", prompt), f"torch (default failed: {reason})"
-    finally:
-        if previous is None:
-            os.environ.pop("TIDAL_KERNELS", None)
-        else:
-            os.environ["TIDAL_KERNELS"] = previous
 
 
 def compare_logits(ref: torch.Tensor, test: torch.Tensor, prompt: list[int]) -> dict[str, Any]:
@@ -130,8 +145,8 @@ def compare_logits(ref: torch.Tensor, test: torch.Tensor, prompt: list[int]) -> 
         "positions": int(ref.shape[0]),
         "mean_abs_nll_diff": float(diff.mean()),
         "max_abs_nll_diff": float(diff.max()),
-        "mean_nll_fp32": float(torch.cat(nll_ref).mean()),
-        "mean_nll_bf16": float(torch.cat(nll_test).mean()),
+        "mean_nll_reference": float(torch.cat(nll_ref).mean()),
+        "mean_nll_test": float(torch.cat(nll_test).mean()),
         "margin_threshold": MARGIN,
         "strong_margin_positions": count,
         "top1_agreement": float(same[strong].float().mean()) if count else None,
@@ -258,11 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--chunk", type=int, default=1000, help="max_prefill_length of the chunked greedy run")
     ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                    help="write the preset in this layout; the baseline is then its reference path in bf16")
+    ap.add_argument("--reference-kernels", default="torch:nvfp4",
+                    help="with --quantization: TIDAL_KERNELS of the baseline")
     ap.add_argument("--bisect", default="", help="';'-separated TIDAL_KERNELS values (e.g. 'torch;torch:moe,route'): "
                     "the greedy runs again under each, to find the kernel a greedy difference comes from")
     ns = ap.parse_args(argv)
     bisect_values = [v.strip() for v in ns.bisect.split(";") if v.strip()]
-    for value in bisect_values:  # a typo fails now, not after the scoring
+    for value in [*bisect_values, ns.reference_kernels]:  # a typo fails now, not after the scoring
         parse_setting(value)
     if bisect_values and not ns.device.startswith("cuda"):
         print("--bisect: the CPU runs the torch references whatever TIDAL_KERNELS says", flush=True)
@@ -273,14 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(ns.out, "numerics_check.json")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tidal-numerics-") as ckpt:
-        write_checkpoint(ns.preset, ckpt, seed=0)
+        write_checkpoint(ns.preset, ckpt, seed=0, quantize=ns.quantization)
         config = ModelConfig.from_file(ckpt)
         prompt = build_prompt(config, ns.tokens)
-        fp32, fp32_kernels = score_fp32(ckpt, ns.device, prompt)
+        if ns.quantization:
+            with kernels(ns.reference_kernels):
+                reference, reference_kernels = score(ckpt, ns.device, "bfloat16", prompt), ns.reference_kernels
+        else:
+            reference, reference_kernels = score_fp32(ckpt, ns.device, prompt)
         bf16 = score(ckpt, ns.device, "bfloat16", prompt)
-        forced = compare_logits(fp32, bf16, prompt)
-        forced["fp32_kernels"] = fp32_kernels
-        del fp32, bf16
+        forced = compare_logits(reference, bf16, prompt)
+        forced["reference_kernels"] = reference_kernels
+        del reference, bf16
         ids = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
         # The row counts the greedy runs meet: the whole prompt, its chunks (the last one of the prompt and
         # of the scored sequence), the tail a cache hit recomputes, one decode row, the scored sequence.
@@ -292,15 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         gemm_rows = gemm_row_invariance(ns.device, linear_shapes(ckpt, ns.device, prompt), len(prompt), counts)
         bisect = {}
         for value in bisect_values:
-            previous = os.environ.get("TIDAL_KERNELS")
-            os.environ["TIDAL_KERNELS"] = value
-            try:
+            with kernels(value):
                 run = greedy(ckpt, ns.device, prompt, ns.greedy_tokens, ns.chunk)
-            finally:
-                if previous is None:
-                    os.environ.pop("TIDAL_KERNELS", None)
-                else:
-                    os.environ["TIDAL_KERNELS"] = previous
             bisect[value] = run
             print(f"bisect TIDAL_KERNELS={value}: cold == chunked {run['cold'] == run['chunked']}, "
                   f"cold == cached {run['cold'] == run['cached']}, first differences chunked "
@@ -309,17 +325,21 @@ def main(argv: list[str] | None = None) -> int:
     agreement, count = forced["top1_agreement"], forced["strong_margin_positions"]
     same = ids["cold"] == ids["chunked"] == ids["cached"]
     hit_ok = ids["cached_tokens"] is None or ids["cached_tokens"] > 0
+    max_nll = MAX_NLL_DIFF_QUANTIZED if ns.quantization else MAX_NLL_DIFF
+    baseline = "reference" if ns.quantization else "fp32"
     gates = [
-        gate("top1_agreement", agreement, f">= {MIN_AGREEMENT} over {count} positions with fp32 margin >= {MARGIN}",
+        gate("top1_agreement", agreement,
+             f">= {MIN_AGREEMENT} over {count} positions with {baseline} margin >= {MARGIN}",
              agreement is not None and agreement >= MIN_AGREEMENT),
-        gate("mean_abs_nll_diff", forced["mean_abs_nll_diff"], f"<= {MAX_NLL_DIFF} nats",
-             math.isfinite(forced["mean_abs_nll_diff"]) and forced["mean_abs_nll_diff"] <= MAX_NLL_DIFF),
+        gate("mean_abs_nll_diff", forced["mean_abs_nll_diff"], f"<= {max_nll} nats",
+             math.isfinite(forced["mean_abs_nll_diff"]) and forced["mean_abs_nll_diff"] <= max_nll),
         gate("greedy_ids_equal", same, f"cold == chunked ({ns.chunk}) == prefix-cache hit "
              f"({ids['cached_tokens']} cached tokens)", same and hit_ok),
     ]
     passed = all(g["pass"] for g in gates)
     results = {
         "meta": {"script": "benchmarks/numerics_check.py", "preset": ns.preset, "tokens": ns.tokens,
+                 "quantization": ns.quantization,
                  "device": ns.device, "device_name": torch.cuda.get_device_name(ns.device)
                  if ns.device.startswith("cuda") else "cpu", "torch": torch.__version__,
                  "seconds": time.monotonic() - t0},

@@ -36,8 +36,9 @@ def test_bench_forward_runs_on_cpu(tmp_path):
     proc = run_script("bench_forward.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
                       "--dtype", "float32", "--lengths", ",".join(map(str, lengths)), "--decode-batches", "1,2",
                       "--decode-context", "16", "--decode-steps", "2", "--no-peer", "--kernels",
-                      "--kernel-tokens", "64", "--kernel-batch", "2", "--kernel-context", "128")
-    assert "prefill (one cold forward" in proc.stdout
+                      "--kernel-tokens", "64", "--kernel-batch", "2", "--kernel-context", "128",
+                      "--quantization", "bf16,nvfp4")
+    assert "bf16: prefill (one cold forward" in proc.stdout and "nvfp4: prefill (one cold forward" in proc.stdout
     res = json.loads((tmp_path / "bench_forward.json").read_text())
 
     assert res["peak"]["flops_per_s"] > 0 and res["bandwidth"]["bytes_per_s"] > 0
@@ -70,8 +71,21 @@ def test_bench_forward_runs_on_cpu(tmp_path):
     assert two["weights.routed_experts"] > one["weights.routed_experts"]
     assert two["weights.dense"] == one["weights.dense"]
 
+    # The NVFP4 arm: the same forwards, its decode floor counting 4.5 bits a routed weight and an fp32 scale a row.
+    assert set(res["arms"]) == {"bf16", "nvfp4"} and res["arms"]["bf16"]["decode"] == res["decode"]
+    inter = raw["moe_intermediate_size"]
+    for fp32, nvfp4 in zip(res["decode"], res["arms"]["nvfp4"]["decode"], strict=True):
+        ratio = nvfp4["floor_bytes_terms"]["weights.routed_experts"] / fp32["floor_bytes_terms"]["weights.routed_experts"]
+        one = 3 * hidden * inter
+        assert math.isclose(ratio, (one * 9 / 16 + 4 * (2 * inter + hidden)) / (one * 4))
+        assert nvfp4["floor_bytes_terms"]["weights.dense"] == fp32["floor_bytes_terms"]["weights.dense"]
+    assert [r["tokens"] for r in res["arms"]["nvfp4"]["prefill"]] == lengths
+
     statuses = {"ok", "missing", "error", "oom", "n/a"}
     assert len(res["kernels"]) >= 10
+    nvfp4 = {row["name"]: row for row in res["kernels"] if row["name"].startswith("nvfp4 experts")}
+    assert set(nvfp4) == {"nvfp4 experts prefill", "nvfp4 experts decode"}
+    assert nvfp4["nvfp4 experts prefill"]["fast"]["status"] == nvfp4["nvfp4 experts prefill"]["ref"]["status"] == "ok"
     for row in res["kernels"]:
         assert row["bytes"] > 0 and row["floor_ms"] > 0
         for impl in ("fast", "ref", "library"):
@@ -93,7 +107,7 @@ def test_numerics_check_runs_on_cpu(tmp_path):
         assert 0 <= forced["top1_agreement"] <= 1
     assert 0 <= forced["top1_agreement_all_positions"] <= 1
     assert math.isfinite(forced["mean_abs_nll_diff"]) and forced["mean_abs_nll_diff"] >= 0
-    assert forced["mean_nll_fp32"] > 0
+    assert forced["mean_nll_reference"] > 0
     greedy = res["greedy"]
     assert all(len(greedy[k]) == 4 for k in ("cold", "cold_again", "chunked", "cached"))
     assert greedy["cold_again"] == greedy["cold"]  # the CPU path is deterministic run to run
