@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .moe_nvfp4_triton import fp4_pairs
+from .moe_nvfp4_triton import FP4_UNSCALE, fp4_pairs
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 from .quant import NVFP4_GROUP, Nvfp4
 
@@ -145,7 +145,8 @@ def _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N: tl.constexpr, B
 def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``n_red / 2``
-    packed bytes and ``n_red / 16`` scale bytes a row), without their global scale."""
+    packed bytes and ``n_red / 16`` scale bytes a row), without their global scale: 2^-14 times the sum (times
+    ``FP4_UNSCALE`` and the global scale, it is the rows' product)."""
     half = tl.arange(0, BLOCK_K // 2)
     q_rows = q_ptr + rows[:, None] * (n_red // 2) + half[None, :]
     s_rows = s_ptr + rows[:, None] * (n_red // GROUP) + (half // (GROUP // 2))[None, :]
@@ -155,7 +156,7 @@ def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, GROUP: tl.constexpr, BLOC
         v_even = tl.load(v_row + k0 + 2 * half, mask=kmask, other=0.0).to(tl.float32)
         v_odd = tl.load(v_row + k0 + 2 * half + 1, mask=kmask, other=0.0).to(tl.float32)
         w_even, w_odd = fp4_pairs(q_rows, s_rows, cmask[:, None] & kmask[None, :])
-        acc += tl.sum(w_even * v_even[None, :] + w_odd * v_odd[None, :], 1)
+        acc += tl.sum(w_even.to(tl.float32) * v_even[None, :] + w_odd.to(tl.float32) * v_odd[None, :], 1)
         q_rows += BLOCK_K // 2
         s_rows += BLOCK_K // GROUP
     return acc
@@ -185,8 +186,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
             gate_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * 2 * inter + cols
             acc_g = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows, cmask, hidden, GROUP, BLOCK_N, BLOCK_K)
             acc_u = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows + inter, cmask, hidden, GROUP, BLOCK_N, BLOCK_K)
-            acc_g *= tl.load(gus2_ptr + gate_rows, mask=cmask, other=0.0)
-            acc_u *= tl.load(gus2_ptr + gate_rows + inter, mask=cmask, other=0.0)
+            acc_g *= tl.load(gus2_ptr + gate_rows, mask=cmask, other=0.0) * FP4_UNSCALE
+            acc_u *= tl.load(gus2_ptr + gate_rows + inter, mask=cmask, other=0.0) * FP4_UNSCALE
         else:
             acc_g, acc_u = _gate_up_rows(x_row, sgu_ptr, cols, cmask, hidden, n_out, BLOCK_N, BLOCK_K)
     else:
@@ -241,7 +242,7 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, 
             w_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * hidden + cols
             pdl_wait(PDL)
             part = _fp4_rows(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, GROUP, BLOCK_N, BLOCK_K)
-            part *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0)
+            part *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0) * FP4_UNSCALE
         else:
             part = _dense_rows(sdown_ptr + col_off * s_inter, a_row, cmask, s_inter, BLOCK_K, PDL)
     else:

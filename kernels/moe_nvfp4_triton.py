@@ -5,10 +5,11 @@ Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTE
 The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
 (one global scale per row). A program loads a tile of packed bytes and the scale byte of each, decodes both in
-registers (``code * scale`` is exact in bf16: two significant bits times four) and feeds the activations' dtype
-to the tensor cores. The even and odd columns of a byte tile are two MMAs of half the K tile against the even
+registers (:func:`fp4_pairs`: ``code * scale`` is exact in fp16 and in bf16) and feeds the activations' dtype to
+the tensor cores. The even and odd columns of a byte tile are two MMAs of half the K tile against the even
 and odd columns of the activation tile: the reduction does not depend on the order of K, so no interleave is
-needed. ``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue.
+needed. ``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded
+values are short of).
 
 - :func:`sorted_gate_up_nvfp4`: the rows gathered through the expert sort, gate and up tiles side by side,
   ``silu(gate) * up`` in the epilogue (the bf16 path's :func:`~tidal.kernels.moe_triton.sorted_gate_up`).
@@ -26,7 +27,6 @@ import triton.language as tl
 
 from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
-from .quant_triton import _e2m1, _e4m3
 
 # (block_m, config) of each pass; block_k counts values (half as many bytes). Every row count takes the same
 # tiles, so a row's arithmetic never depends on how many rows share its forward.
@@ -34,13 +34,26 @@ GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 8, 3))
 DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
 
 
+# ``fp4_pairs`` returns values 2^-14 times their true size (see there): the epilogues multiply it back with the
+# global scale.
+FP4_UNSCALE = tl.constexpr(16384.0)
+
+
 @triton.jit
 def fp4_pairs(q_ptrs, s_ptrs, mask):
-    """The fp32 values ``code * scale`` of a tile of packed bytes (``q_ptrs``) whose group scales are at
-    ``s_ptrs`` (the scale byte of each byte's group): ``(even columns, odd columns)``."""
-    b = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
-    s = _e4m3(tl.load(s_ptrs, mask=mask, other=0).to(tl.int32))
-    return _e2m1(b & 15) * s, _e2m1(b >> 4) * s
+    """A tile of packed bytes (``q_ptrs``) and the scale byte of each byte's group (``s_ptrs``) as fp16 ``code *
+    scale * 2^-14``: ``(even columns, odd columns)``.
+
+    An e2m1 code's sign, two exponent bits and mantissa bit, moved to an fp16's sign, the low two bits of its
+    exponent and the top bit of its mantissa, are the code's value times 2^-14 (codes 0 and 1, exponent 0, become
+    fp16 subnormals, which the hardware computes exactly): a few integer operations and no conversion. The e4m3
+    scale converts in hardware. Each product is exact in fp16 (a multiple of 2^-24 under 0.17), and so is its
+    conversion to bf16 or fp32 for the dot."""
+    b = tl.load(q_ptrs, mask=mask, other=0).to(tl.uint16)
+    s = tl.load(s_ptrs, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True)
+    odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return even * s, odd * s
 
 
 @triton.jit
@@ -96,8 +109,8 @@ def _sorted_gate_up_fp4_kernel(
         a_ptrs += BLOCK_K
         g_q += BLOCK_K // 2
         g_s += BLOCK_K // GROUP
-    acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :]
-    acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :]
+    acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
+    acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
@@ -132,7 +145,7 @@ def _sorted_down_fp4_kernel(
         a_ptrs += BLOCK_K
         w_q += BLOCK_K // 2
         w_s += BLOCK_K // GROUP
-    acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :]
+    acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
