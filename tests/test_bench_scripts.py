@@ -75,7 +75,8 @@ def test_bench_forward_runs_on_cpu(tmp_path):
     assert set(res["arms"]) == {"bf16", "nvfp4"} and res["arms"]["bf16"]["decode"] == res["decode"]
     inter = raw["moe_intermediate_size"]
     for fp32, nvfp4 in zip(res["decode"], res["arms"]["nvfp4"]["decode"], strict=True):
-        ratio = nvfp4["floor_bytes_terms"]["weights.routed_experts"] / fp32["floor_bytes_terms"]["weights.routed_experts"]
+        routed = [r["floor_bytes_terms"]["weights.routed_experts"] for r in (nvfp4, fp32)]
+        ratio = routed[0] / routed[1]
         one = 3 * hidden * inter
         assert math.isclose(ratio, (one * 9 / 16 + 4 * (2 * inter + hidden)) / (one * 4))
         assert nvfp4["floor_bytes_terms"]["weights.dense"] == fp32["floor_bytes_terms"]["weights.dense"]

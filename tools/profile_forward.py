@@ -1,6 +1,7 @@
 """Profile one cold prefill (and a few decode steps) of a preset on the GPU with the torch profiler.
 
     python tools/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
+        [--quantization nvfp4] [--ple-backend gpu]
 
 Prints the kernels by total CUDA time (the table docs/performance.md quotes) and the GPU's busy time
 against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
@@ -59,13 +60,17 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--host", type=int, default=0)
+    ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                    help="random routed experts and n-gram table in this layout")
+    ap.add_argument("--ple-backend", default="gpu", choices=["gpu", "pinned", "disk"])
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
     t0 = time.monotonic()
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="random", max_prefill_length=ns.tokens,
               max_model_len=ns.tokens + 1024, kv_pool_tokens=(ns.tokens + 1024) * (ns.decode_batch + 1),
-              max_running_requests=max(ns.decode_batch, 1))
+              max_running_requests=max(ns.decode_batch, 1), quantization=ns.quantization,
+              ple_backend=ns.ple_backend)
     torch.cuda.synchronize()
     print(f"load: {time.monotonic() - t0:.1f} s", flush=True)
     page = llm.sizes.page_size

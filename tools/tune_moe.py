@@ -1,6 +1,6 @@
 """Sweep the launch configs of the grouped path's gate_up pass at the bench shapes (device-only).
 
-    python tools/tune_moe.py [--tokens 4096,32768]
+    python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
 
 512 experts, top-10, hidden 2048, intermediate 512, bf16, softmax-top-k routing of random logits. For
 each token count, prints the path it replaces (rows gathered in expert order, torch's grouped GEMM,
@@ -9,6 +9,11 @@ by pointer or by tensor descriptor): median time (CUDA events),
 TFLOP/s of the gate_up GEMM, and the largest difference from the replaced path, so
 ``moe_triton.SORTED_GATE_UP`` can be set from data. Then the whole routed-expert computation
 (``moe.fused_experts``) with the config in the module.
+
+``--quantization nvfp4`` sweeps the NVFP4 passes instead (``moe_nvfp4_triton``: gate_up and down over packed
+experts), each against the bf16 path at the same shapes and against the experts dequantized per call and the bf16
+path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
+and their configs, timed as CUDA graphs (a launch costs more than these kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import functools
 import torch
 import triton
 
-from tidal.kernels import moe, moe_triton
+from tidal.kernels import moe, moe_decode_triton, moe_nvfp4_triton, moe_triton
 
 
 def sweep(tokens: int, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, g: torch.Generator) -> None:
@@ -68,16 +73,96 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
                                   (128, 128, 128, 8, 2), (256, 64, 64, 8, 3))]]
 
 
+# NVFP4 passes: (block_m, block_n, block_k in values, warps, stages).
+NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3),
+                 (64, 128, 128, 4, 3), (64, 64, 128, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)]
+GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
+                ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8))]
+
+
+def routing(tokens: int, experts: int, top_k: int, hidden: int, g: torch.Generator):
+    x = torch.randn(tokens, hidden, generator=g, device="cuda").bfloat16()
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=g, device="cuda"), -1), top_k)
+    return x, ids, (weights / weights.sum(-1, keepdim=True)).bfloat16()
+
+
+def timed(fn, graph: bool) -> float:
+    """Median ms of ``fn``: CUDA events over launches, or over replays of a CUDA graph of it."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator) -> None:
+    experts, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
+    x, ids, weights = routing(tokens, experts, top_k, hidden, g)
+    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(experts, device="cuda", dtype=sorted_ids.dtype),
+                              right=True, out_int32=True)
+    flops = 2.0 * ids.numel() * hidden * inter  # each pass's third: gate_up is twice this, down once
+    packed_gu, packed_down = q_gate_up.nvfp4(), q_down.nvfp4()
+    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k)
+    for name, make, ref, mult in (
+            ("gate_up", lambda cfg: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k, cfg),
+             lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
+            ("down", lambda cfg: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg),
+             lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
+        ms = timed(ref, False)
+        print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
+        for bm, bn, bk, w, s in NVFP4_CONFIGS:
+            cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
+            try:
+                ms = timed(functools.partial(make, cfg), False)
+            except Exception as e:  # out of shared memory or registers for this config
+                print(f"  m{bm} n{bn} k{bk} w{w} s{s}: {type(e).__name__}", flush=True)
+                continue
+            print(f"  m{bm} n{bn} k{bk} w{w} s{s}: {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)",
+                  flush=True)
+    from tidal.executor.quant import routed_experts
+
+    for name, fn in (("bf16 experts", lambda: moe.fused_experts(x, ids, weights, gate_up, down)),
+                     ("nvfp4 read packed", lambda: moe.fused_experts_nvfp4(x, ids, weights, packed_gu, packed_down)),
+                     ("nvfp4 dequantized per call", lambda: moe.fused_experts(
+                         x, ids, weights, q_gate_up.dequantize(x.dtype), q_down.dequantize(x.dtype))),
+                     ("routed_experts (dispatch)", lambda: routed_experts(x, ids, weights, q_gate_up, q_down))):
+        ms = timed(fn, False)
+        print(f"  whole routed experts, {name}: {ms * 1e3:8.1f} us ({3 * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
+
+
+def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator) -> None:
+    x, ids, weights = routing(tokens, gate_up.shape[0], top_k, gate_up.shape[2], g)
+    packed = (q_gate_up.nvfp4(), q_down.nvfp4())
+    distinct = torch.unique(ids).numel()
+    for label, (gu, dn), nbytes in (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2),
+                                    ("nvfp4", packed, q_gate_up.bytes_per_expert() + q_down.bytes_per_expert())):
+        for a, b in GEMV_CONFIGS:
+            cfg = (moe_decode_triton.GemvConfig(*a), moe_decode_triton.GemvConfig(*b))
+            ms = timed(functools.partial(moe_decode_triton.moe_gemv, x, ids, weights, gu, dn, None, cfg), True)
+            print(f"T={tokens} gemv {label} {a} {b}: {ms * 1e3:7.1f} us, {distinct * nbytes / ms / 1e6:6.0f} GB/s "
+                  f"of distinct experts", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="4096,32768")
+    ap.add_argument("--quantization", default=None, choices=["nvfp4"])
+    ap.add_argument("--decode-tokens", default="1,8,32")
     ns = ap.parse_args()
     experts, hidden, inter = 512, 2048, 512
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).bfloat16()
     down = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter ** 0.5).bfloat16()
+    if ns.quantization is None:
+        for tokens in map(int, ns.tokens.split(",")):
+            sweep(tokens, gate_up, down, 10, g)
+        return
+    from tidal.executor.quant import quantize_experts
+
+    q_gate_up, q_down = quantize_experts(gate_up, [inter, inter], "nvfp4"), quantize_experts(down, [hidden], "nvfp4")
     for tokens in map(int, ns.tokens.split(",")):
-        sweep(tokens, gate_up, down, 10, g)
+        sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, 10, g)
+    for tokens in map(int, ns.decode_tokens.split(",")):
+        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, 10, g)
 
 
 if __name__ == "__main__":
