@@ -575,10 +575,10 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
 
 def decode_graphs(args, device: str, offloaded: bool, ranks: int) -> bool:
     """Whether decode batches replay CUDA graphs. Graphs replay a fixed sequence of device work: not
-    with experts or PLE rows fetched from the host, not across ranks (the collectives are issued
-    eagerly), and not while TIDAL_KERNELS sends operations to torch references that read values back
-    to the host."""
-    if (torch.device(device).type != "cuda" or args.disable_cuda_graph or offloaded or args.ple_backend != "gpu"
+    with experts fetched from the host or PLE rows read from disk (a pinned table's rows the device reads
+    itself), not across ranks (the collectives are issued eagerly), and not while TIDAL_KERNELS sends
+    operations to torch references that read values back to the host."""
+    if (torch.device(device).type != "cuda" or args.disable_cuda_graph or offloaded or args.ple_backend == "disk"
             or ranks != 1):
         return False
     if forces_torch():

@@ -48,6 +48,7 @@ KERNELS = (
     "nvfp4",          # NVFP4 routed experts read packed by the grouped GEMMs and GEMVs (kernels/moe_nvfp4_triton)
     "norm_rotary",    # per-head RMSNorm + partial rotary (executor/layers/rotary)
     "ple",            # PLE's per-stream value gate and conv norm (kernels/ple)
+    "ple_gather",     # n-gram rows read by the device from a pinned host table in decode steps (kernels/ple)
     "qsa",            # QSA block choice's top-k over scores (kernels/qsa.pick_blocks)
     "qsa_select",     # QSA block scores + top-k in one kernel (kernels/qsa_triton)
     "route",          # router softmax + top-k (kernels/moe.route)

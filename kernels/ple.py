@@ -47,3 +47,14 @@ def ple_gate(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Tensor, ke
 
 
 __all__ = ["ple_gate", "ple_gate_ref"]
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` on ``ids``' device: for CUDA ids one Triton launch that reads the rows where ``table`` is,
+    device or pinned host memory (``ple_triton.gather_rows_triton``, no host sync); else ``index_select``."""
+    if use_triton(ids, "ple_gather"):
+        from .ple_triton import gather_rows_triton
+
+        return gather_rows_triton(table, ids)
+    flat = ids.reshape(-1).to(table.device)
+    return table.index_select(0, flat).view(*ids.shape, table.shape[1]).to(ids.device)

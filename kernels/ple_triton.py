@@ -68,3 +68,34 @@ def ple_gate_triton(key_raw: torch.Tensor, query: torch.Tensor, value: torch.Ten
         1.0 / math.sqrt(hidden), key_raw.stride(0), query.stride(0), value.stride(0), width, float(eps),
         HC=hc, BLOCK=block, num_warps=min(16, max(4, block // 256)))
     return gated, normed
+
+
+@triton.jit
+def _gather_rows_kernel(table_ptr, ids_ptr, out_ptr, n, width, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < n
+    row = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int64)
+    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    m = ok[:, None] & (w < width)[None, :]
+    values = tl.load(table_ptr + row[:, None] * width + w[None, :], mask=m)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * width + w[None, :], values, mask=m)
+
+
+# Rows a program copies, and the bytes of a row it copies (whole 128-byte lines of a PLE row).
+GATHER_ROWS, GATHER_BYTES = 16, 512
+
+
+def gather_rows_triton(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[ids]`` (rows of a contiguous 2-D ``table`` of any dtype) written to ``ids``' device in one launch,
+    the rows read by the kernel itself: ``table`` may be in pinned host memory (mapped into the device's address
+    space), so no row passes through the host and nothing waits for the ids there (a CUDA graph can hold it)."""
+    assert table.dim() == 2 and table.is_contiguous()
+    out = torch.empty((*ids.shape, table.shape[1]), dtype=table.dtype, device=ids.device)
+    n = ids.numel()
+    if n:
+        raw = table.view(torch.uint8)  # bytes: one kernel for every table dtype (float8 included)
+        width = raw.shape[1]
+        grid = (triton.cdiv(n, GATHER_ROWS), triton.cdiv(width, GATHER_BYTES))
+        _gather_rows_kernel[grid](raw, ids.reshape(-1).contiguous(), out.view(n, -1).view(torch.uint8), n, width,
+                                  BLOCK_R=GATHER_ROWS, BLOCK_W=GATHER_BYTES, num_warps=4)
+    return out

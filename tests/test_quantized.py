@@ -477,9 +477,9 @@ def test_model_as_a_hub_repository_id_offline(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_the_quantized_gpu_path_gives_its_reference_paths_ids_on_small(tmp_path, monkeypatch, fmt):
-    """The ``small`` preset with random quantized weights in fp32 on the GPU: kernels, CUDA-graph decode (routed
-    experts dequantized per step) and the offloaded expert cache give the greedy ids of the torch reference
-    (``TIDAL_KERNELS=torch``)."""
+    """The ``small`` preset with random quantized weights in fp32 on the GPU: kernels (NVFP4 experts read packed),
+    CUDA-graph decode (with the n-gram table on the device and in pinned host memory) and the offloaded expert
+    cache give the greedy ids of the torch reference (``TIDAL_KERNELS=torch``)."""
     import gc
 
     base = write_checkpoint("small", str(tmp_path / "small"), weights=False)
@@ -500,5 +500,7 @@ def test_the_quantized_gpu_path_gives_its_reference_paths_ids_on_small(tmp_path,
     want, _ = ids()
     monkeypatch.delenv("TIDAL_KERNELS")
     got, graphed = ids()
+    assert got == want and graphed
+    got, graphed = ids(ple_backend="pinned")
     assert got == want and graphed
     assert ids(moe_strategy="offload", moe_cache_slots=8)[0] == want

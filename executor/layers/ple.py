@@ -11,6 +11,7 @@ from ...kernels.ngram import layer_multipliers, ngram_ids_varlen
 from ...kernels.ple import ple_gate
 from ..distributed import split, tp
 from ..forward_batch import ForwardBatch
+from ..offload.ple_table import PinnedTable
 from .linear import Linear, RMSNorm
 
 
@@ -72,6 +73,8 @@ class NGramEmbedding(nn.Module):
         rows = self.row_ids(batch)
         if self.table is None:  # --ple-backend gpu: the parameter itself, on the device
             emb = self.ngram_embedding.weight[rows]
+        elif batch.decode_only and isinstance(self.table, PinnedTable):  # a few rows, read in a graph-safe way
+            emb = self.table.gather_on_device(rows)
         else:
             emb = self.table.gather(rows)
         emb = self.dequantize(emb)

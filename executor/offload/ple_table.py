@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...kernels.ple import gather_rows
 from ...kernels.quant import E4M3_MAX
 from ..weights import PLE_SHARD_KEY, canonical_name, table_rows
 
@@ -227,6 +228,12 @@ class PinnedTable(PLETable):
         self._ahead = _Staging(self.dim, self.dtype)  # the rows of :class:`RowsAhead`
         self._ahead_gathers: list[Future] = []  # the latest RowsAhead's gathers into ``_ahead``
         self._lock = threading.Lock()
+
+    def gather_on_device(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather` with the rows read by the device itself from the pinned table (mapped into its address
+        space): one kernel, no host sync, so a decode step's CUDA graph holds it (``kernels.ple.gather_rows``).
+        Rows cross PCIe one by one: for the few rows of decode steps; prompts take :meth:`gather`."""
+        return gather_rows(self.table, ids)
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to("cpu", torch.long)
