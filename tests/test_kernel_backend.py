@@ -83,11 +83,12 @@ def test_forces_torch(monkeypatch, value, forced):
     ("torch", {}, False),
     ("torch:route", {}, False),
     ("", {"disable_cuda_graph": True}, False),
-    ("", {"ple_backend": "pinned"}, False),
+    ("", {"ple_backend": "pinned"}, True),  # the device reads a decode step's rows from the pinned table
+    ("", {"ple_backend": "disk"}, False),
 ])
 def test_decode_graphs_decision(monkeypatch, value, kw, want):
     """``build_runner`` captures decode graphs on CUDA only while no operation is forced onto a torch
-    reference (and with graphs enabled, resident PLE, one rank)."""
+    reference (and with graphs enabled, a PLE table on the device or pinned, one rank)."""
     from tidal.config.server_args import ServerArgs
     from tidal.executor.runner import decode_graphs
 
