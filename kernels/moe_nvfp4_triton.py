@@ -5,11 +5,12 @@ Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTE
 The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
 (one global scale per row). A program loads a tile of packed bytes and the scale byte of each, decodes both in
-registers (:func:`fp4_pairs`: ``code * scale`` is exact in fp16 and in bf16) and feeds the activations' dtype to
-the tensor cores. The even and odd columns of a byte tile are two MMAs of half the K tile against the even
-and odd columns of the activation tile: the reduction does not depend on the order of K, so no interleave is
-needed. ``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded
-values are short of).
+registers (:func:`fp4_interleaved`: ``code * scale`` is exact in fp16 and in bf16) and feeds the activations' dtype
+to the tensor cores: the scale tile is widened to its bytes and each byte's two values joined in column order in
+registers (:data:`INTERLEAVE`), or the even and odd columns of the byte tile are two MMAs of half the K tile
+against the activations' even and odd columns (the reduction does not depend on the order of K). ``scale_2`` is
+constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded values are short
+of).
 
 - :func:`sorted_gate_up_nvfp4`: the rows gathered through the expert sort, gate and up tiles side by side,
   ``silu(gate) * up`` in the epilogue (the bf16 path's :func:`~tidal.kernels.moe_triton.sorted_gate_up`).
@@ -32,6 +33,9 @@ from .quant import NVFP4_GROUP, Nvfp4
 # tiles, so a row's arithmetic never depends on how many rows share its forward.
 GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 8, 3))
 DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
+# One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
+# registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
+INTERLEAVE = True
 
 
 # ``fp4_pairs`` returns values 2^-14 times their true size (see there): the epilogues multiply it back with the
@@ -57,20 +61,53 @@ def fp4_pairs(q_ptrs, s_ptrs, mask):
 
 
 @triton.jit
-def _fp4_dot(a_ptrs, a_mask, q_ptrs, s_ptrs, w_mask, acc, IEEE: tl.constexpr):
-    """``acc + a @ w.T`` for one K tile: ``a_ptrs`` the even columns of the activation tile (the odd ones follow
-    each), ``q_ptrs``/``s_ptrs`` the packed weight tile ``[N, K/2]`` and its scale bytes."""
-    a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-    a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
-    w_even, w_odd = fp4_pairs(q_ptrs, s_ptrs, w_mask)
-    w_even = tl.trans(w_even.to(a_even.dtype))
-    w_odd = tl.trans(w_odd.to(a_even.dtype))
-    if IEEE:
-        acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
-        acc = tl.dot(a_odd, w_odd, acc, input_precision="ieee")
+def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
+    each row's packed bytes and scale bytes; ``kdim`` values a row) as fp16 ``code * scale * 2^-14`` in column
+    order: the scale tile loaded once and widened to its bytes in registers, the even and odd values joined."""
+    half = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :],
+                other=0).to(tl.uint16)
+    groups = tl.arange(0, BLOCK_K // GROUP)
+    s = tl.load(s_rows + k0 // GROUP + groups[None, :], mask=rmask[:, None] & (groups * GROUP < kdim - k0)[None, :],
+                other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
+    even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True) * s
+    odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * s
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _fp4_dot(a_rows, amask, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K``: ``a_rows`` ``[BLOCK_M, 1]`` pointers to the activation
+    rows (``amask`` the real ones), ``q_rows`` / ``s_rows`` ``[BLOCK_N, 1]`` to the weight rows' packed bytes and
+    scale bytes (``rmask``). ``INTERLEAVE``: one MMA over the weight tile in column order; else two over its even
+    and odd columns against the activations' even and odd columns (loaded with a stride of 2)."""
+    if INTERLEAVE:
+        ks = tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + k0 + ks[None, :], mask=amask[:, None] & (ks < kdim - k0)[None, :], other=0.0)
+        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K).to(a.dtype))
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
     else:
-        acc = tl.dot(a_even, w_even, acc)
-        acc = tl.dot(a_odd, w_odd, acc)
+        half = tl.arange(0, BLOCK_K // 2)
+        kmask = (2 * half < kdim - k0)[None, :]
+        a_even = tl.load(a_rows + k0 + 2 * half[None, :], mask=amask[:, None] & kmask, other=0.0)
+        a_odd = tl.load(a_rows + k0 + 1 + 2 * half[None, :], mask=amask[:, None] & kmask, other=0.0)
+        w_even, w_odd = fp4_pairs(q_rows + k0 // 2 + half[None, :],
+                                  s_rows + (k0 // 2 + half[None, :]) // (GROUP // 2), rmask[:, None] & kmask)
+        w_even = tl.trans(w_even.to(a_even.dtype))
+        w_odd = tl.trans(w_odd.to(a_even.dtype))
+        if IEEE:
+            acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
+            acc = tl.dot(a_odd, w_odd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a_even, w_even, acc)
+            acc = tl.dot(a_odd, w_odd, acc)
     return acc
 
 
@@ -78,7 +115,7 @@ def _fp4_dot(a_ptrs, a_mask, q_ptrs, s_ptrs, w_mask, acc, IEEE: tl.constexpr):
 def _sorted_gate_up_fp4_kernel(
     x_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -92,23 +129,16 @@ def _sorted_gate_up_fp4_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
     gate_rows = expert.to(tl.int64) * 2 * inter + cols  # weight rows of [E * 2I] (up rows follow the I gate rows)
-    half = tl.arange(0, BLOCK_K // 2)  # byte j of a K tile holds columns 2j and 2j + 1
-    nbytes = hidden // 2
-    groups = hidden // GROUP
-    a_ptrs = x_ptr + token[:, None] * sx_t + 2 * half[None, :]
-    g_q = q_ptr + gate_rows[:, None] * nbytes + half[None, :]
-    g_s = s_ptr + gate_rows[:, None] * groups + (half // (GROUP // 2))[None, :]
+    a_rows = x_ptr + token[:, None] * sx_t
+    g_q = q_ptr + gate_rows[:, None] * (hidden // 2)
+    g_s = s_ptr + gate_rows[:, None] * (hidden // GROUP)
+    u_q = g_q + inter * (hidden // 2)
+    u_s = g_s + inter * (hidden // GROUP)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        kmask = 2 * half < hidden - k0  # whole bytes: hidden is a multiple of 16
-        a_mask = valid[:, None] & kmask[None, :]
-        w_mask = cmask[:, None] & kmask[None, :]
-        acc_g = _fp4_dot(a_ptrs, a_mask, g_q, g_s, w_mask, acc_g, IEEE)
-        acc_u = _fp4_dot(a_ptrs, a_mask, g_q + inter * nbytes, g_s + inter * groups, w_mask, acc_u, IEEE)
-        a_ptrs += BLOCK_K
-        g_q += BLOCK_K // 2
-        g_s += BLOCK_K // GROUP
+        acc_g = _fp4_dot(a_rows, valid, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        acc_u = _fp4_dot(a_rows, valid, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
     acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -120,7 +150,7 @@ def _sorted_gate_up_fp4_kernel(
 def _sorted_down_fp4_kernel(
     a_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
-    IEEE: tl.constexpr, GROUP: tl.constexpr,
+    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -132,19 +162,12 @@ def _sorted_down_fp4_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     w_rows = expert.to(tl.int64) * hidden + cols
-    half = tl.arange(0, BLOCK_K // 2)
-    nbytes = inter // 2
-    groups = inter // GROUP
-    a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * sa_m + 2 * half[None, :]
-    w_q = q_ptr + w_rows[:, None] * nbytes + half[None, :]
-    w_s = s_ptr + w_rows[:, None] * groups + (half // (GROUP // 2))[None, :]
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * sa_m
+    w_q = q_ptr + w_rows[:, None] * (inter // 2)
+    w_s = s_ptr + w_rows[:, None] * (inter // GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        kmask = 2 * half < inter - k0
-        acc = _fp4_dot(a_ptrs, valid[:, None] & kmask[None, :], w_q, w_s, cmask[:, None] & kmask[None, :], acc, IEEE)
-        a_ptrs += BLOCK_K
-        w_q += BLOCK_K // 2
-        w_s += BLOCK_K // GROUP
+        acc = _fp4_dot(a_rows, valid, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
     acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
@@ -169,11 +192,13 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, G
 
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
-                         config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+                         config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None
+                         ) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config`` and ``interleave`` override :data:`GATE_UP_CONFIG`
+    and :data:`INTERLEAVE`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -186,7 +211,8 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
         x, packed, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
-        TOP_K=top_k, IEEE=x.dtype == torch.float32, GROUP=NVFP4_GROUP,
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
+        GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
@@ -194,10 +220,12 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 
 
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                      scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None) -> torch.Tensor:
+                      scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
+                      interleave: bool | None = None) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
-    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten)."""
+    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config`` and
+    ``interleave`` override :data:`DOWN_CONFIG` and :data:`INTERLEAVE`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -210,7 +238,8 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
         act, packed, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
-        IEEE=act.dtype == torch.float32, GROUP=NVFP4_GROUP,
+        IEEE=act.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
+        GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import torch
 import triton
@@ -103,21 +104,21 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
     packed_gu, packed_down = q_gate_up.nvfp4(), q_down.nvfp4()
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k)
     for name, make, ref, mult in (
-            ("gate_up", lambda cfg: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k, cfg),
+            ("gate_up", lambda cfg, i: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k, cfg, i),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
-            ("down", lambda cfg: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg),
+            ("down", lambda cfg, i: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, i),
              lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
         ms = timed(ref, False)
         print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
-        for bm, bn, bk, w, s in NVFP4_CONFIGS:
+        for (bm, bn, bk, w, s), interleave in itertools.product(NVFP4_CONFIGS, (True, False)):
             cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
+            label = f"m{bm} n{bn} k{bk} w{w} s{s}{' interleave' if interleave else ' even/odd'}"
             try:
-                ms = timed(functools.partial(make, cfg), False)
+                ms = timed(functools.partial(make, cfg, interleave), False)
             except Exception as e:  # out of shared memory or registers for this config
-                print(f"  m{bm} n{bn} k{bk} w{w} s{s}: {type(e).__name__}", flush=True)
+                print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
-            print(f"  m{bm} n{bn} k{bk} w{w} s{s}: {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)",
-                  flush=True)
+            print(f"  {label}: {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
     from tidal.executor.quant import routed_experts
 
     for name, fn in (("bf16 experts", lambda: moe.fused_experts(x, ids, weights, gate_up, down)),
@@ -133,8 +134,11 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
     x, ids, weights = routing(tokens, gate_up.shape[0], top_k, gate_up.shape[2], g)
     packed = (q_gate_up.nvfp4(), q_down.nvfp4())
     distinct = torch.unique(ids).numel()
-    for label, (gu, dn), nbytes in (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2),
-                                    ("nvfp4", packed, q_gate_up.bytes_per_expert() + q_down.bytes_per_expert())):
+    arms = (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2, False),
+            *((f"nvfp4{' interleave' if i else ' even/odd'}", packed,
+               q_gate_up.bytes_per_expert() + q_down.bytes_per_expert(), i) for i in (True, False)))
+    for label, (gu, dn), nbytes, interleave in arms:
+        moe_decode_triton.FP4_INTERLEAVE = interleave
         for a, b in GEMV_CONFIGS:
             cfg = (moe_decode_triton.GemvConfig(*a), moe_decode_triton.GemvConfig(*b))
             ms = timed(functools.partial(moe_decode_triton.moe_gemv, x, ids, weights, gu, dn, None, cfg), True)
