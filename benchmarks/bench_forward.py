@@ -6,7 +6,7 @@ against their roofline, and transformers' ``Qwen4ExpForCausalLM`` as the peer.
         [--peer/--no-peer]
         [--peer-max-seconds 60] [--kernels/--no-kernels] [--kernel-tokens 32768] [--kernel-batch 8]
         [--kernel-context 8192] [--kernel-budget-s 110] [--tidal/--no-tidal] [--merge]
-        [--device cuda] [--dtype bfloat16]
+        [--device cuda] [--dtype bfloat16] [--quantization bf16,nvfp4] [--ple-backend gpu]
 
 The preset's config.json is written to a temporary directory and loaded with ``--load-format random``.
 Prefill and decode drive ``llm.runner.execute(Batch)`` directly (no scheduler), one cold prefill of L
@@ -242,7 +242,7 @@ def build_llm(ckpt: str, ns: argparse.Namespace, lengths: list[int], batches: li
     kv_tokens = max(max_len, max(batches) * per_request) + page
     return LLM(ckpt, device=ns.device, dtype=ns.dtype, load_format="random", max_prefill_length=max(lengths),
                max_model_len=max_len, kv_pool_tokens=kv_tokens, max_running_requests=max(batches), page_size=page,
-               quantization=quantization)
+               quantization=quantization, ple_backend=ns.ple_backend)
 
 
 def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.device,
@@ -905,6 +905,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(same preset, dtype, device) that this run skips")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--ple-backend", default="gpu", choices=["gpu", "pinned", "disk"],
+                    help="where the n-gram tables live (pinned: host memory, rows read by the device in decode steps)")
     ap.add_argument("--quantization", type=formats, default=["bf16"],
                     help="weight formats, one arm each in this process: bf16 (the model in --dtype), nvfp4, fp8 "
                          "(random routed experts and n-gram table in that layout); comma-separated")
@@ -928,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     meta = {"script": "benchmarks/bench_forward.py", "argv": sys.argv[1:] if argv is None else argv,
             "preset": ns.preset, "device": str(device), "device_name": name, "dtype": ns.dtype,
-            "quantization": ns.quantization,
+            "quantization": ns.quantization, "ple_backend": ns.ple_backend,
             "versions": versions(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"device {name}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), flush=True)
     results: dict[str, Any] = {}
