@@ -135,11 +135,12 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 37, 4099])
-@pytest.mark.parametrize("shape", [(512, 10, 2048, 512), (512, 10, 2048, 128)])
+@pytest.mark.parametrize("shape", [(512, 10, 2048, 512), (512, 10, 2560, 640), (512, 10, 2048, 128)])
 def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
-    """bf16 activations at the bench shapes (512 experts, top-10, hidden 2048, intermediate 512) and an
-    intermediate of 128 (an expert's slice under tensor parallelism): within bf16's rounding of the reference,
-    which rounds every dequantized weight to bf16 where the kernels keep ``code * scale`` exact."""
+    """bf16 activations at the bench shapes (512 experts, top-10, hidden 2048, intermediate 512), flash-next's
+    (hidden 2560, intermediate 640: no power of two) and an intermediate of 128 (an expert's slice under tensor
+    parallelism): within bf16's rounding of the reference, which rounds every dequantized weight to bf16 where the
+    kernels keep ``code * scale`` exact."""
     experts, top_k, hidden, inter = shape
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
@@ -155,17 +156,18 @@ def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 32])
-def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens):
-    """The decode GEMVs over NVFP4 experts at the bench shapes, bf16, against the grouped path's reference over
-    the dequantized experts."""
+@pytest.mark.parametrize("hidden,inter", [(2048, 512), (2560, 640)])
+def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens, hidden, inter):
+    """The decode GEMVs over NVFP4 experts at the bench and flash-next shapes, bf16, against the grouped path's
+    reference over the dequantized experts."""
     from tidal.kernels.moe import fused_experts
     from tidal.kernels.moe_decode_triton import moe_gemv
 
     g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, 2048, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
     ids = torch.stack([torch.randperm(512, generator=g)[:10] for _ in range(tokens)]).to(DEV)
     weights = torch.softmax(torch.randn(tokens, 10, generator=g), -1).to(DEV, torch.bfloat16)
-    gate_up, down = quantized(512, 1024, 2048, g, parts=2), quantized(512, 2048, 512, g)
+    gate_up, down = quantized(512, 2 * inter, hidden, g, parts=2), quantized(512, hidden, inter, g)
     out = moe_gemv(x, ids, weights, gate_up, down)
     ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
     assert _rel(out, ref) < 2e-2
