@@ -25,9 +25,11 @@ from tidal.kernels.quant import Nvfp4, quantize_nvfp4  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def quantized(experts: int, rows: int, cols: int, gen: torch.Generator, parts: int = 1) -> Nvfp4:
-    """``experts`` random matrices in NVFP4; each of ``parts`` row blocks its own global scale (gate and up)."""
-    w = (torch.randn(experts, rows, cols, generator=gen) / cols ** 0.5).to(DEV)
+def quantized(experts: int, rows: int, cols: int, seed: int, parts: int = 1) -> Nvfp4:
+    """``experts`` random matrices in NVFP4, drawn on the test's device; each of ``parts`` row blocks its own global
+    scale (gate and up)."""
+    gen = torch.Generator(DEV).manual_seed(seed)
+    w = torch.randn(experts, rows, cols, generator=gen, device=DEV) / cols ** 0.5
     w[:, :, :16] *= 8  # some groups far larger than the rest: scales spread over the e4m3 range
     amax = w.unflatten(1, (parts, -1)).abs().amax(dim=(-2, -1), keepdim=True)  # [E, parts, 1, 1]
     scale_2 = (amax / (6.0 * 448.0)).expand(-1, -1, rows // parts, 1).reshape(experts, rows, 1).contiguous()
@@ -45,7 +47,8 @@ def case(tokens: int, top_k: int, experts: int, hidden: int, inter: int, dtype=t
     ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), rest], dim=1).to(DEV)
     weights = torch.rand(tokens, top_k, generator=g) + 0.1
     weights = (weights / weights.sum(-1, keepdim=True)).to(DEV, dtype)
-    return x, ids, weights, quantized(experts, 2 * inter, hidden, g, parts=2), quantized(experts, hidden, inter, g)
+    gate_up = quantized(experts, 2 * inter, hidden, seed, parts=2)
+    return x, ids, weights, gate_up, quantized(experts, hidden, inter, seed + 1)
 
 
 def sorted_rows(ids: torch.Tensor, experts: int):
@@ -146,7 +149,7 @@ def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
     weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(DEV, torch.bfloat16)
-    gate_up, down = quantized(experts, 2 * inter, hidden, g, parts=2), quantized(experts, hidden, inter, g)
+    gate_up, down = quantized(experts, 2 * inter, hidden, 0, parts=2), quantized(experts, hidden, inter, 1)
     out = fused_experts_nvfp4(x, ids, weights, gate_up, down)
     from tidal.kernels.moe import fused_experts
 
@@ -167,7 +170,7 @@ def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens, hidden, inter):
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
     ids = torch.stack([torch.randperm(512, generator=g)[:10] for _ in range(tokens)]).to(DEV)
     weights = torch.softmax(torch.randn(tokens, 10, generator=g), -1).to(DEV, torch.bfloat16)
-    gate_up, down = quantized(512, 2 * inter, hidden, g, parts=2), quantized(512, hidden, inter, g)
+    gate_up, down = quantized(512, 2 * inter, hidden, 0, parts=2), quantized(512, hidden, inter, 1)
     out = moe_gemv(x, ids, weights, gate_up, down)
     ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
     assert _rel(out, ref) < 2e-2
