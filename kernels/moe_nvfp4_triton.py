@@ -79,35 +79,45 @@ def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _fp4_dot(a_rows, amask, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr,
-             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K``: ``a_rows`` ``[BLOCK_M, 1]`` pointers to the activation
-    rows (``amask`` the real ones), ``q_rows`` / ``s_rows`` ``[BLOCK_N, 1]`` to the weight rows' packed bytes and
-    scale bytes (``rmask``). ``INTERLEAVE``: one MMA over the weight tile in column order; else two over its even
-    and odd columns against the activations' even and odd columns (loaded with a stride of 2)."""
+def _a_tile(a_rows, amask, k0, kdim, INTERLEAVE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the activation rows at ``a_rows`` (``[BLOCK_M, 1]`` pointers, ``amask`` the
+    real rows) as :func:`_fp4_mma` takes them: ``INTERLEAVE``, the tile twice (the second unused); else its even
+    and its odd columns (each loaded with a stride of 2)."""
     if INTERLEAVE:
         ks = tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k0 + ks[None, :], mask=amask[:, None] & (ks < kdim - k0)[None, :], other=0.0)
-        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K).to(a.dtype))
+        return a, a
+    half = tl.arange(0, BLOCK_K // 2)
+    kmask = amask[:, None] & (2 * half < kdim - k0)[None, :]
+    return (tl.load(a_rows + k0 + 2 * half[None, :], mask=kmask, other=0.0),
+            tl.load(a_rows + k0 + 1 + 2 * half[None, :], mask=kmask, other=0.0))
+
+
+@triton.jit
+def _fp4_mma(a0, a1, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a0``, ``a1`` from :func:`_a_tile`), ``w`` the NVFP4
+    rows whose packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to.
+    ``INTERLEAVE``: one MMA over the weight tile in column order; else two over its even and odd columns."""
+    if INTERLEAVE:
+        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K).to(a0.dtype))
         if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+            acc = tl.dot(a0, w, acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a0, w, acc)
     else:
         half = tl.arange(0, BLOCK_K // 2)
-        kmask = (2 * half < kdim - k0)[None, :]
-        a_even = tl.load(a_rows + k0 + 2 * half[None, :], mask=amask[:, None] & kmask, other=0.0)
-        a_odd = tl.load(a_rows + k0 + 1 + 2 * half[None, :], mask=amask[:, None] & kmask, other=0.0)
-        w_even, w_odd = fp4_pairs(q_rows + k0 // 2 + half[None, :],
-                                  s_rows + (k0 // 2 + half[None, :]) // (GROUP // 2), rmask[:, None] & kmask)
-        w_even = tl.trans(w_even.to(a_even.dtype))
-        w_odd = tl.trans(w_odd.to(a_even.dtype))
+        byte = k0 // 2 + half[None, :]
+        w_even, w_odd = fp4_pairs(q_rows + byte, s_rows + byte // (GROUP // 2),
+                                  rmask[:, None] & (2 * half < kdim - k0)[None, :])
+        w_even = tl.trans(w_even.to(a0.dtype))
+        w_odd = tl.trans(w_odd.to(a0.dtype))
         if IEEE:
-            acc = tl.dot(a_even, w_even, acc, input_precision="ieee")
-            acc = tl.dot(a_odd, w_odd, acc, input_precision="ieee")
+            acc = tl.dot(a0, w_even, acc, input_precision="ieee")
+            acc = tl.dot(a1, w_odd, acc, input_precision="ieee")
         else:
-            acc = tl.dot(a_even, w_even, acc)
-            acc = tl.dot(a_odd, w_odd, acc)
+            acc = tl.dot(a0, w_even, acc)
+            acc = tl.dot(a1, w_odd, acc)
     return acc
 
 
@@ -137,8 +147,9 @@ def _sorted_gate_up_fp4_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        acc_g = _fp4_dot(a_rows, valid, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
-        acc_u = _fp4_dot(a_rows, valid, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        a0, a1 = _a_tile(a_rows, valid, k0, hidden, INTERLEAVE, BLOCK_K)  # once for the gate and the up tile
+        acc_g = _fp4_mma(a0, a1, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        acc_u = _fp4_mma(a0, a1, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
     acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -167,7 +178,8 @@ def _sorted_down_fp4_kernel(
     w_s = s_ptr + w_rows[:, None] * (inter // GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        acc = _fp4_dot(a_rows, valid, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        a0, a1 = _a_tile(a_rows, valid, k0, inter, INTERLEAVE, BLOCK_K)
+        acc = _fp4_mma(a0, a1, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
     acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])

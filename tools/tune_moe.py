@@ -103,6 +103,9 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
     flops = 2.0 * ids.numel() * hidden * inter  # each pass's third: gate_up is twice this, down once
     packed_gu, packed_down = q_gate_up.nvfp4(), q_down.nvfp4()
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k)
+    # Each variant's largest difference from the bf16 passes over the dequantized experts (bf16's rounding).
+    exact = {"gate_up": moe_triton.sorted_gate_up(x, order, ends, q_gate_up.dequantize(x.dtype), top_k).float(),
+             "down": moe._grouped_mm(act, q_down.dequantize(x.dtype).transpose(1, 2), offs=ends).float()}
     for name, make, ref, mult in (
             ("gate_up", lambda cfg, i: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k, cfg, i),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
@@ -114,11 +117,13 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
             cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
             label = f"m{bm} n{bn} k{bk} w{w} s{s}{' interleave' if interleave else ' even/odd'}"
             try:
+                diff = (make(cfg, interleave).float() - exact[name]).abs().max().item()
                 ms = timed(functools.partial(make, cfg, interleave), False)
             except Exception as e:  # out of shared memory or registers for this config
                 print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
-            print(f"  {label}: {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
+            print(f"  {label}: {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s) max diff {diff:.4f}",
+                  flush=True)
     from tidal.executor.quant import routed_experts
 
     for name, fn in (("bf16 experts", lambda: moe.fused_experts(x, ids, weights, gate_up, down)),
