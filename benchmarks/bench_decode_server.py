@@ -2,7 +2,7 @@
 (device-only).
 
     python benchmarks/bench_decode_server.py --out DIR [--preset bench] [--concurrency 1,8,32]
-        [--contexts 16,8192] [--tokens 256] [--arms graphs,graphs-no-overlap,eager]
+        [--contexts 16,8192] [--tokens 256] [--arms graphs,graphs-no-overlap,eager] [-- SERVE_FLAGS...]
 
 One ``tidal serve --load-format random`` per arm, all up at once: ``graphs`` (the defaults: CUDA
 graphs, overlapped scheduling), ``graphs-no-overlap`` (``--disable-overlap-schedule``), ``eager``
@@ -11,6 +11,7 @@ take turns, each first running an untimed sample of the same shape. Each sample 
 streamed greedy completions of ``--tokens`` tokens (``ignore_eos``) after distinct random prompts of
 ``context`` tokens (nothing cached); decode tok/s =
 generated tokens after the first / the time from the slowest first token to the last response's end.
+Flags after ``--`` go to every server (e.g. ``-- --quantization nvfp4 --ple-backend pinned``).
 Writes ``DIR/bench_decode_server.json``.
 """
 
@@ -20,11 +21,12 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tidal.bench.client import greedy_stream
-from tidal.bench.server import Server
+from tidal.bench.server import Server, split_serve_flags
 from tidal.executor.presets import write_checkpoint
 
 ARMS = {"graphs": [], "graphs-no-overlap": ["--disable-overlap-schedule"], "eager": ["--disable-cuda-graph"],
@@ -47,6 +49,7 @@ def sample(srv: Server, context: int, conc: int, tokens: int, seed: int) -> floa
 
 
 def main() -> None:
+    argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="bench")
@@ -54,7 +57,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="16,8192")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--arms", default="graphs,graphs-no-overlap,eager")
-    ns = ap.parse_args()
+    ns = ap.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, os.path.join(ns.out, "ckpt"), weights=False)
     concs = [int(x) for x in ns.concurrency.split(",")]
@@ -62,10 +65,10 @@ def main() -> None:
     per_request = max(contexts) + ns.tokens + 64
     flags = ["--load-format", "random", "--max-model-len", str(per_request),
              "--kv-pool-tokens", str(max(concs) * per_request + 16384), "--max-running-requests", str(max(concs)),
-             "--max-prefill-length", "8192"]
+             "--max-prefill-length", "8192", *extra]
     arms = ns.arms.split(",")
     servers = {}
-    results = {"preset": ns.preset, "tokens": ns.tokens, "rows": []}
+    results = {"preset": ns.preset, "tokens": ns.tokens, "flags": flags, "rows": []}
     try:
         for arm in arms:
             servers[arm] = Server(path, *flags, *ARMS[arm], served_model_name="bench", device="cuda",
