@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .moe_nvfp4_triton import FP4_UNSCALE, fp4_interleaved, fp4_pairs
+from .moe_nvfp4_triton import FP4_UNSCALE, fp4_interleaved, fp4_pairs, use_asm
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 from .quant import NVFP4_GROUP, Nvfp4
 
@@ -142,8 +142,8 @@ def _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, INTERLEAVE: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, INTERLEAVE: tl.constexpr, ASM: tl.constexpr,
+              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``n_red / 2``
     packed bytes and ``n_red / 16`` scale bytes a row), without their global scale: 2^-14 times the sum (times
     ``FP4_UNSCALE`` and the global scale, it is the rows' product). ``INTERLEAVE``: the weight tile decoded in
@@ -155,7 +155,7 @@ def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, INTERLEAVE: tl.constexpr,
         if INTERLEAVE:
             ks = tl.arange(0, BLOCK_K)
             v = tl.load(v_row + k0 + ks, mask=ks < n_red - k0, other=0.0).to(tl.float32)
-            w = fp4_interleaved(q_rows, s_rows, cmask, k0, n_red, GROUP, BLOCK_N, BLOCK_K)
+            w = fp4_interleaved(q_rows, s_rows, cmask, k0, n_red, GROUP, BLOCK_N, BLOCK_K, ASM)
             acc += tl.sum(w.to(tl.float32) * v[None, :], 1)
         else:
             half = tl.arange(0, BLOCK_K // 2)
@@ -172,7 +172,8 @@ def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, INTERLEAVE: tl.constexpr,
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, INTERLEAVE: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
     # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
     pdl_wait(PDL)
     pdl_launch_next(PDL)
@@ -190,9 +191,10 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
     if FP4:  # routed experts in NVFP4 (gate rows, then up rows, a global scale each), the shared one dense
         if k < TOP_K:
             gate_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * 2 * inter + cols
-            acc_g = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows, cmask, hidden, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
-            acc_u = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows + inter, cmask, hidden, INTERLEAVE, GROUP, BLOCK_N,
-                              BLOCK_K)
+            acc_g = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows, cmask, hidden, INTERLEAVE, ASM, GROUP,
+                              BLOCK_N, BLOCK_K)
+            acc_u = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows + inter, cmask, hidden, INTERLEAVE, ASM, GROUP,
+                              BLOCK_N, BLOCK_K)
             acc_g *= tl.load(gus2_ptr + gate_rows, mask=cmask, other=0.0) * FP4_UNSCALE
             acc_u *= tl.load(gus2_ptr + gate_rows + inter, mask=cmask, other=0.0) * FP4_UNSCALE
         else:
@@ -228,7 +230,8 @@ def _dense_rows(rows, a_row, cmask, n_red, BLOCK_K: tl.constexpr, PDL: tl.conste
 def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, sgate_ptr, part_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e,
                  TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, INTERLEAVE: tl.constexpr,
-                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
     shared expert's (assignment ``K``) times ``sigmoid(x . shared_gate)``.
 
@@ -248,7 +251,7 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, 
         if k < TOP_K:
             w_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * hidden + cols
             pdl_wait(PDL)
-            part = _fp4_rows(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+            part = _fp4_rows(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
             part *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0) * FP4_UNSCALE
         else:
             part = _dense_rows(sdown_ptr + col_off * s_inter, a_row, cmask, s_inter, BLOCK_K, PDL)
@@ -293,6 +296,8 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
 # NVFP4 experts: each program's weight tile decoded in column order (the scale tile widened in registers), not as
 # even and odd columns with a scale load per byte.
 FP4_INTERLEAVE = True
+# ... and decoded by PTX on packed registers (``moe_nvfp4_triton.fp4_asm``; never in the interpreter).
+FP4_ASM = False
 
 # Output features a combine program sums.
 COMBINE_BLOCK = 512
@@ -350,14 +355,14 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     ids = ids.contiguous()
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gu, gus, gus2, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gu.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, GROUP=NVFP4_GROUP,
-        BLOCK_N=cfg_a.block_n,
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        GROUP=NVFP4_GROUP, BLOCK_N=cfg_a.block_n,
         BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, dn, ds, ds2, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), dn.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, GROUP=NVFP4_GROUP,
-        BLOCK_N=cfg_b.block_n,
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        GROUP=NVFP4_GROUP, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps, **launch)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))

@@ -22,6 +22,8 @@ ends; no host sync, no padding copy.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,14 @@ DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
 INTERLEAVE = True
+# Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
+# integer operations; never under Triton's interpreter, which runs no PTX.
+ASM = False
+
+
+def use_asm(asm: bool | None) -> bool:
+    """Whether a launch decodes by :func:`fp4_asm`: ``asm`` (default :data:`ASM`), and not in the interpreter."""
+    return (ASM if asm is None else asm) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 # ``fp4_pairs`` returns values 2^-14 times their true size (see there): the epilogues multiply it back with the
@@ -61,20 +71,65 @@ def fp4_pairs(q_ptrs, s_ptrs, mask):
 
 
 @triton.jit
+def fp4_asm(b, s):
+    """:func:`fp4_pairs`' arithmetic on packed registers, four bytes (eight codes) at a time, in PTX: ``b`` uint8
+    bytes, ``s`` their fp16 scales (the same shape); ``(even values, odd values)`` as fp16 ``code * scale * 2^-14``.
+    A byte permute spreads two bytes over the 16-bit halves of a register, masks and shifts place each code's bits
+    (two codes a register), and one ``mul.rn.f16x2`` scales two values (fp16 keeps subnormals)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 p0, p1, e0, e1, o0, o1, t;
+        prmt.b32 p0, $4, 0, 0x4140;
+        prmt.b32 p1, $4, 0, 0x4342;
+        and.b32 e0, p0, 0x00070007;
+        shl.b32 e0, e0, 9;
+        and.b32 t, p0, 0x00080008;
+        shl.b32 t, t, 12;
+        or.b32 e0, e0, t;
+        and.b32 e1, p1, 0x00070007;
+        shl.b32 e1, e1, 9;
+        and.b32 t, p1, 0x00080008;
+        shl.b32 t, t, 12;
+        or.b32 e1, e1, t;
+        and.b32 o0, p0, 0x00700070;
+        shl.b32 o0, o0, 5;
+        and.b32 t, p0, 0x00800080;
+        shl.b32 t, t, 8;
+        or.b32 o0, o0, t;
+        and.b32 o1, p1, 0x00700070;
+        shl.b32 o1, o1, 5;
+        and.b32 t, p1, 0x00800080;
+        shl.b32 t, t, 8;
+        or.b32 o1, o1, t;
+        mul.rn.f16x2 $0, e0, $5;
+        mul.rn.f16x2 $1, e1, $6;
+        mul.rn.f16x2 $2, o0, $5;
+        mul.rn.f16x2 $3, o1, $6;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
 def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
     each row's packed bytes and scale bytes; ``kdim`` values a row) as fp16 ``code * scale * 2^-14`` in column
-    order: the scale tile loaded once and widened to its bytes in registers, the even and odd values joined."""
+    order: the scale tile loaded once and widened to its bytes in registers, the even and odd values joined.
+    ``ASM``: the codes decoded by :func:`fp4_asm` (CUDA only)."""
     half = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :],
-                other=0).to(tl.uint16)
+    b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :], other=0)
     groups = tl.arange(0, BLOCK_K // GROUP)
     s = tl.load(s_rows + k0 // GROUP + groups[None, :], mask=rmask[:, None] & (groups * GROUP < kdim - k0)[None, :],
                 other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
-    even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True) * s
-    odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * s
+    if ASM:
+        even, odd = fp4_asm(b, s)
+    else:
+        b = b.to(tl.uint16)
+        even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True) * s
+        odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * s
     return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
 
 
@@ -95,12 +150,12 @@ def _a_tile(a_rows, amask, k0, kdim, INTERLEAVE: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def _fp4_mma(a0, a1, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr,
-             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a0``, ``a1`` from :func:`_a_tile`), ``w`` the NVFP4
     rows whose packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to.
     ``INTERLEAVE``: one MMA over the weight tile in column order; else two over its even and odd columns."""
     if INTERLEAVE:
-        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K).to(a0.dtype))
+        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM).to(a0.dtype))
         if IEEE:
             acc = tl.dot(a0, w, acc, input_precision="ieee")
         else:
@@ -125,7 +180,7 @@ def _fp4_mma(a0, a1, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, I
 def _sorted_gate_up_fp4_kernel(
     x_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -148,8 +203,8 @@ def _sorted_gate_up_fp4_kernel(
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         a0, a1 = _a_tile(a_rows, valid, k0, hidden, INTERLEAVE, BLOCK_K)  # once for the gate and the up tile
-        acc_g = _fp4_mma(a0, a1, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
-        acc_u = _fp4_mma(a0, a1, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        acc_g = _fp4_mma(a0, a1, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
+        acc_u = _fp4_mma(a0, a1, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
     acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -161,7 +216,7 @@ def _sorted_gate_up_fp4_kernel(
 def _sorted_down_fp4_kernel(
     a_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
-    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, GROUP: tl.constexpr,
+    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -179,7 +234,7 @@ def _sorted_down_fp4_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         a0, a1 = _a_tile(a_rows, valid, k0, inter, INTERLEAVE, BLOCK_K)
-        acc = _fp4_mma(a0, a1, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, GROUP, BLOCK_N, BLOCK_K)
+        acc = _fp4_mma(a0, a1, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
     acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
@@ -204,13 +259,13 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, G
 
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
-                         config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None
-                         ) -> torch.Tensor:
+                         config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
+                         asm: bool | None = None) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config`` and ``interleave`` override :data:`GATE_UP_CONFIG`
-    and :data:`INTERLEAVE`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave`` and ``asm`` override
+    :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE` and :data:`ASM`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -224,7 +279,7 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
         x, packed, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
         TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
-        GROUP=NVFP4_GROUP,
+        ASM=use_asm(asm), GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
@@ -233,11 +288,11 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                       scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
-                      interleave: bool | None = None) -> torch.Tensor:
+                      interleave: bool | None = None, asm: bool | None = None) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
-    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config`` and
-    ``interleave`` override :data:`DOWN_CONFIG` and :data:`INTERLEAVE`."""
+    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config``,
+    ``interleave`` and ``asm`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE` and :data:`ASM`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -251,7 +306,7 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
         act, packed, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
         IEEE=act.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
-        GROUP=NVFP4_GROUP,
+        ASM=use_asm(asm), GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

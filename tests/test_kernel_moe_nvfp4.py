@@ -58,26 +58,29 @@ def sorted_rows(ids: torch.Tensor, experts: int):
 
 
 SMALL = (16, GemmConfig(16, 32, 4, 2))
+# The PTX decode runs on CUDA only (the interpreter runs no PTX).
+ASM = [False, True] if torch.cuda.is_available() else [False]
 
 
-@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("interleave,asm", [(True, a) for a in ASM] + [(False, False)])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3)])
 @pytest.mark.parametrize("hidden,inter,config", [
     (64, 32, SMALL),
     (48, 48, (16, GemmConfig(32, 64, 4, 2))),  # masked last K tile and last column tile
 ])
-def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config, interleave):
-    """Both ways of feeding the MMA (one over the interleaved tile, two over even and odd columns)."""
+def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config, interleave, asm):
+    """Both ways of feeding the MMA (one over the interleaved tile, two over even and odd columns), the interleaved
+    tile decoded by Triton's operations and (on CUDA) by PTX."""
     x, ids, _, gate_up, down = case(tokens, top_k, 8, hidden, inter, empty=(6, 7))
     sorted_ids, order, ends = sorted_rows(ids, 8)
     w = gate_up.dequantize()
     h = torch.stack([x[t // top_k] @ w[e].T for t, e in zip(order.tolist(), sorted_ids.tolist(), strict=True)])
     ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
-    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config, interleave)
+    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config, interleave, asm)
     torch.testing.assert_close(act, ref, atol=1e-4, rtol=1e-4)  # fp32, summed in another order
     d = down.dequantize()
     ref_down = torch.stack([act[i] @ d[e].T for i, e in enumerate(sorted_ids.tolist())])
-    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave)
+    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave, asm)
     torch.testing.assert_close(out, ref_down, atol=1e-4, rtol=1e-4)
 
 
@@ -107,10 +110,10 @@ def test_rows_not_a_multiple_of_16_are_refused():
         moe_nvfp4_triton.sorted_gate_up_nvfp4(x[:, :40].contiguous(), order, ends, *gate_up, 2)
 
 
-@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("interleave,asm", [(True, a) for a in ASM] + [(False, False)])
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("with_shared", [True, False])
-def test_moe_gemv_reads_nvfp4_experts(tokens, with_shared, interleave, monkeypatch):
+def test_moe_gemv_reads_nvfp4_experts(tokens, with_shared, interleave, asm, monkeypatch):
     """The decode GEMVs over NVFP4 routed experts (the shared expert dense, wider than the routed ones) against
     the loop over the dequantized experts; several tile configs, one with a K tile past the reduction; weight tiles
     decoded in column order and as even and odd columns."""
@@ -118,6 +121,7 @@ def test_moe_gemv_reads_nvfp4_experts(tokens, with_shared, interleave, monkeypat
     from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv
 
     monkeypatch.setattr(moe_decode_triton, "FP4_INTERLEAVE", interleave)
+    monkeypatch.setattr(moe_decode_triton, "FP4_ASM", asm)
 
     x, ids, weights, gate_up, down = case(tokens, 3, 8, 80, 32, seed=4)
     g = torch.Generator().manual_seed(1)

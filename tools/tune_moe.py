@@ -13,7 +13,8 @@ TFLOP/s of the gate_up GEMM, and the largest difference from the replaced path, 
 ``--quantization nvfp4`` sweeps the NVFP4 passes instead (``moe_nvfp4_triton``: gate_up and down over packed
 experts), each against the bf16 path at the same shapes and against the experts dequantized per call and the bf16
 path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
-and their configs, timed as CUDA graphs (a launch costs more than these kernels).
+and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant decodes its
+tiles in column order by Triton's operations or by PTX, or as even and odd columns (:data:`DECODES`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
 # NVFP4 passes: (block_m, block_n, block_k in values, warps, stages).
 NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
                  (256, 64, 128, 8, 2), (256, 128, 64, 8, 2)]
+# (interleave, asm): how a weight tile is decoded and fed to the MMA (moe_nvfp4_triton.INTERLEAVE, ASM).
+DECODES = {(True, False): "interleave", (True, True): "interleave+asm", (False, False): "even/odd"}
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
                 ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8))]
 
@@ -107,18 +110,19 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
     exact = {"gate_up": moe_triton.sorted_gate_up(x, order, ends, q_gate_up.dequantize(x.dtype), top_k).float(),
              "down": moe._grouped_mm(act, q_down.dequantize(x.dtype).transpose(1, 2), offs=ends).float()}
     for name, make, ref, mult in (
-            ("gate_up", lambda cfg, i: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k, cfg, i),
+            ("gate_up", lambda cfg, i, a: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k,
+                                                                                cfg, i, a),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
-            ("down", lambda cfg, i: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, i),
+            ("down", lambda cfg, i, a: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, i, a),
              lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
         ms = timed(ref, False)
         print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
-        for (bm, bn, bk, w, s), interleave in itertools.product(NVFP4_CONFIGS, (True, False)):
+        for (bm, bn, bk, w, s), (interleave, asm) in itertools.product(NVFP4_CONFIGS, DECODES):
             cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
-            label = f"m{bm} n{bn} k{bk} w{w} s{s}{' interleave' if interleave else ' even/odd'}"
+            label = f"m{bm} n{bn} k{bk} w{w} s{s} {DECODES[interleave, asm]}"
             try:
-                diff = (make(cfg, interleave).float() - exact[name]).abs().max().item()
-                ms = timed(functools.partial(make, cfg, interleave), False)
+                diff = (make(cfg, interleave, asm).float() - exact[name]).abs().max().item()
+                ms = timed(functools.partial(make, cfg, interleave, asm), False)
             except Exception as e:  # out of shared memory or registers for this config
                 print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
@@ -139,11 +143,11 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
     x, ids, weights = routing(tokens, gate_up.shape[0], top_k, gate_up.shape[2], g)
     packed = (q_gate_up.nvfp4(), q_down.nvfp4())
     distinct = torch.unique(ids).numel()
-    arms = (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2, False),
-            *((f"nvfp4{' interleave' if i else ' even/odd'}", packed,
-               q_gate_up.bytes_per_expert() + q_down.bytes_per_expert(), i) for i in (True, False)))
-    for label, (gu, dn), nbytes, interleave in arms:
-        moe_decode_triton.FP4_INTERLEAVE = interleave
+    arms = (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2, (False, False)),
+            *((f"nvfp4 {label}", packed, q_gate_up.bytes_per_expert() + q_down.bytes_per_expert(), decode)
+              for decode, label in DECODES.items()))
+    for label, (gu, dn), nbytes, (interleave, asm) in arms:
+        moe_decode_triton.FP4_INTERLEAVE, moe_decode_triton.FP4_ASM = interleave, asm
         for a, b in GEMV_CONFIGS:
             cfg = (moe_decode_triton.GemvConfig(*a), moe_decode_triton.GemvConfig(*b))
             ms = timed(functools.partial(moe_decode_triton.moe_gemv, x, ids, weights, gu, dn, None, cfg), True)
