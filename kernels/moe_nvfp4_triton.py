@@ -79,9 +79,10 @@ def fp4_asm(b, s):
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 p0, p1, e0, e1, o0, o1, t;
-        prmt.b32 p0, $4, 0, 0x4140;
-        prmt.b32 p1, $4, 0, 0x4342;
+        .reg .b32 z, p0, p1, e0, e1, o0, o1, t;
+        mov.b32 z, 0;
+        prmt.b32 p0, $4, z, 0x4140;
+        prmt.b32 p1, $4, z, 0x4342;
         and.b32 e0, p0, 0x00070007;
         shl.b32 e0, e0, 9;
         and.b32 t, p0, 0x00080008;
