@@ -135,14 +135,16 @@ def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _a_tile(a_rows, amask, k0, kdim, INTERLEAVE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``k0 .. k0 + BLOCK_K`` of the activation rows at ``a_rows`` (``[BLOCK_M, 1]`` pointers, ``amask`` the
-    real rows) as :func:`_fp4_mma` takes them: ``INTERLEAVE``, the tile twice (the second unused); else its even
-    and its odd columns (each loaded with a stride of 2)."""
-    if INTERLEAVE:
-        ks = tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + k0 + ks[None, :], mask=amask[:, None] & (ks < kdim - k0)[None, :], other=0.0)
-        return a, a
+def _a_cols(a_rows, amask, k0, kdim, BLOCK_K: tl.constexpr):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the activation rows at ``a_rows`` (``[BLOCK_M, 1]`` pointers, ``amask``
+    the real rows)."""
+    ks = tl.arange(0, BLOCK_K)
+    return tl.load(a_rows + k0 + ks[None, :], mask=amask[:, None] & (ks < kdim - k0)[None, :], other=0.0)
+
+
+@triton.jit
+def _a_pairs(a_rows, amask, k0, kdim, BLOCK_K: tl.constexpr):
+    """:func:`_a_cols` as its even and its odd columns (each loaded with a stride of 2)."""
     half = tl.arange(0, BLOCK_K // 2)
     kmask = amask[:, None] & (2 * half < kdim - k0)[None, :]
     return (tl.load(a_rows + k0 + 2 * half[None, :], mask=kmask, other=0.0),
@@ -150,31 +152,33 @@ def _a_tile(a_rows, amask, k0, kdim, INTERLEAVE: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def _fp4_mma(a0, a1, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr,
-             ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a0``, ``a1`` from :func:`_a_tile`), ``w`` the NVFP4
-    rows whose packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to.
-    ``INTERLEAVE``: one MMA over the weight tile in column order; else two over its even and odd columns."""
-    if INTERLEAVE:
-        w = tl.trans(fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM).to(a0.dtype))
-        if IEEE:
-            acc = tl.dot(a0, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a0, w, acc)
-    else:
-        half = tl.arange(0, BLOCK_K // 2)
-        byte = k0 // 2 + half[None, :]
-        w_even, w_odd = fp4_pairs(q_rows + byte, s_rows + byte // (GROUP // 2),
-                                  rmask[:, None] & (2 * half < kdim - k0)[None, :])
-        w_even = tl.trans(w_even.to(a0.dtype))
-        w_odd = tl.trans(w_odd.to(a0.dtype))
-        if IEEE:
-            acc = tl.dot(a0, w_even, acc, input_precision="ieee")
-            acc = tl.dot(a1, w_odd, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a0, w_even, acc)
-            acc = tl.dot(a1, w_odd, acc)
-    return acc
+def _mma(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _mma_interleaved(a, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, ASM: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a`` from :func:`_a_cols`), ``w`` the NVFP4 rows whose
+    packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to, decoded in column
+    order (one MMA)."""
+    w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
+    return _mma(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+
+
+@triton.jit
+def _mma_pairs(a_even, a_odd, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, GROUP: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """:func:`_mma_interleaved` as two MMAs over the weight tile's even and odd columns (``a_even``, ``a_odd`` from
+    :func:`_a_pairs`)."""
+    half = tl.arange(0, BLOCK_K // 2)
+    byte = k0 // 2 + half[None, :]
+    w_even, w_odd = fp4_pairs(q_rows + byte, s_rows + byte // (GROUP // 2),
+                              rmask[:, None] & (2 * half < kdim - k0)[None, :])
+    acc = _mma(a_even, tl.trans(w_even.to(a_even.dtype)), acc, IEEE)
+    return _mma(a_odd, tl.trans(w_odd.to(a_even.dtype)), acc, IEEE)
 
 
 @triton.jit
@@ -202,10 +206,15 @@ def _sorted_gate_up_fp4_kernel(
     u_s = g_s + inter * (hidden // GROUP)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        a0, a1 = _a_tile(a_rows, valid, k0, hidden, INTERLEAVE, BLOCK_K)  # once for the gate and the up tile
-        acc_g = _fp4_mma(a0, a1, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
-        acc_u = _fp4_mma(a0, a1, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
+    for k0 in range(0, hidden, BLOCK_K):  # the activation tile loaded once for the gate and the up tile
+        if INTERLEAVE:
+            a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
+            acc_g = _mma_interleaved(a, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
+            acc_u = _mma_interleaved(a, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
+        else:
+            a_even, a_odd = _a_pairs(a_rows, valid, k0, hidden, BLOCK_K)
+            acc_g = _mma_pairs(a_even, a_odd, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, GROUP, BLOCK_K)
+            acc_u = _mma_pairs(a_even, a_odd, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, GROUP, BLOCK_K)
     acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -234,8 +243,12 @@ def _sorted_down_fp4_kernel(
     w_s = s_ptr + w_rows[:, None] * (inter // GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        a0, a1 = _a_tile(a_rows, valid, k0, inter, INTERLEAVE, BLOCK_K)
-        acc = _fp4_mma(a0, a1, w_q, w_s, cmask, k0, inter, acc, IEEE, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
+        if INTERLEAVE:
+            a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
+            acc = _mma_interleaved(a, w_q, w_s, cmask, k0, inter, acc, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
+        else:
+            a_even, a_odd = _a_pairs(a_rows, valid, k0, inter, BLOCK_K)
+            acc = _mma_pairs(a_even, a_odd, w_q, w_s, cmask, k0, inter, acc, IEEE, GROUP, BLOCK_K)
     acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
