@@ -1,4 +1,4 @@
-"""The NVFP4 and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton lowers them to PTX and its
+"""The NVFP4, decode GEMV and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton lowers them to PTX and its
 bundled ptxas assembles it, no GPU needed. The interpreter runs a kernel's arithmetic but not its lowering: a
 type that differs between two returns, a layout Triton cannot convert or a PTX typo only fails here (or on a
 GPU). Each variant the tuning switches select is compiled as the launchers would launch it at the model's shapes.
@@ -57,20 +57,22 @@ def test_nvfp4_grouped_gemms_compile(dtype, interleave, asm):
         gemm.num_warps, gemm.num_stages)
 
 
-@pytest.mark.parametrize("interleave,asm", DECODES)
+@pytest.mark.parametrize("fp4,interleave,asm", [(True, *d) for d in DECODES] + [(False, False, False)])
 @pytest.mark.parametrize("tokens", [1, 32])
-def test_nvfp4_decode_gemvs_compile(interleave, asm, tokens):
-    """Both GEMV kernels with NVFP4 routed experts and a dense shared expert, at each config row's tiles."""
+def test_decode_gemvs_compile(fp4, interleave, asm, tokens):
+    """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at each config row's
+    tiles."""
     gate_up, down = moe_decode_triton.pick_config(tokens)
-    common = {"TOP_K": 10, "SHARED": True, "FP4": True, "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16,
+    common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16,
               "PDL": True}
     ints = dict.fromkeys(("hidden", "inter", "s_inter", "act_width", "sx_t"), "i32")
+    routed = "*u8" if fp4 else "*bf16"
     compile_for_h200(moe_decode_triton._gate_up_kernel,
-                     {"x_ptr": "*bf16", "ids_ptr": "*i64", "gu_ptr": "*u8", "gus_ptr": "*u8", "gus2_ptr": "*fp32",
+                     {"x_ptr": "*bf16", "ids_ptr": "*i64", "gu_ptr": routed, "gus_ptr": routed, "gus2_ptr": "*fp32",
                       "sgu_ptr": "*bf16", "act_ptr": "*bf16", **ints, "sgu_e": "i64"},
                      {**common, "BLOCK_N": gate_up.block_n, "BLOCK_K": gate_up.block_k}, gate_up.num_warps)
     compile_for_h200(moe_decode_triton._down_kernel,
-                     {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "down_ptr": "*u8", "ds_ptr": "*u8",
+                     {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "down_ptr": routed, "ds_ptr": routed,
                       "ds2_ptr": "*fp32", "sdown_ptr": "*bf16", "sgate_ptr": "*bf16", "part_ptr": "*fp32", **ints,
                       "sd_e": "i64"},
                      {**common, "BLOCK_N": down.block_n, "BLOCK_K": 512}, down.num_warps)
