@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
@@ -38,6 +39,9 @@ DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
 INTERLEAVE = True
+# Interleaved weight tiles copied by the tensor memory accelerator (a descriptor of the packed bytes; the scales and
+# the gathered activation rows by pointer), rather than by pointer: no tensor of per-byte pointers in registers.
+TMA = True
 # Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
 # integer operations; never under Triton's interpreter, which runs no PTX.
 ASM = False
@@ -113,17 +117,12 @@ def fp4_asm(b, s):
 
 
 @triton.jit
-def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
-    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
-    each row's packed bytes and scale bytes; ``kdim`` values a row) as fp16 ``code * scale * 2^-14`` in column
-    order: the scale tile loaded once and widened to its bytes in registers, the even and odd values joined.
-    ``ASM``: the codes decoded by :func:`fp4_asm` (CUDA only)."""
-    half = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :], other=0)
-    groups = tl.arange(0, BLOCK_K // GROUP)
-    s = tl.load(s_rows + k0 // GROUP + groups[None, :], mask=rmask[:, None] & (groups * GROUP < kdim - k0)[None, :],
-                other=0).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
+    """A tile of packed bytes ``b`` (uint8 ``[BLOCK_N, BLOCK_K / 2]``) and its e4m3 scale bytes ``s`` (``[BLOCK_N,
+    BLOCK_K / GROUP]``) as fp16 ``code * scale * 2^-14`` in column order: the scales converted in hardware and
+    widened to the bytes in registers, each byte's even and odd values joined. ``ASM``: the codes decoded by
+    :func:`fp4_asm` (CUDA only)."""
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
     if ASM:
         even, odd = fp4_asm(b, s)
@@ -132,6 +131,26 @@ def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_
         even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True) * s
         odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * s
     return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def fp4_scales(s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scale bytes of columns ``k0 .. k0 + BLOCK_K`` of the rows whose scale bytes ``s_rows`` (``[BLOCK_N, 1]``
+    pointers, ``rmask``) point to: ``[BLOCK_N, BLOCK_K / GROUP]``."""
+    groups = tl.arange(0, BLOCK_K // GROUP)
+    return tl.load(s_rows + k0 // GROUP + groups[None, :], mask=rmask[:, None] & (groups * GROUP < kdim - k0)[None, :],
+                   other=0)
+
+
+@triton.jit
+def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
+    each row's packed bytes and scale bytes, ``rmask`` the real rows; ``kdim`` values a row) as :func:`fp4_tile`
+    decodes them."""
+    half = tl.arange(0, BLOCK_K // 2)
+    b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :], other=0)
+    return fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
 
 
 @triton.jit
@@ -159,12 +178,18 @@ def _mma(a, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mma_interleaved(a, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.constexpr, ASM: tl.constexpr,
-                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mma_interleaved(a, q_rows, s_rows, rmask, k0, kdim, acc, q_desc, desc_row, IEEE: tl.constexpr,
+                     ASM: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a`` from :func:`_a_cols`), ``w`` the NVFP4 rows whose
     packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to, decoded in column
-    order (one MMA)."""
-    w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
+    order (one MMA). ``TMA``: the packed bytes copied by ``q_desc`` (the stack's bytes viewed ``[rows, kdim / 2]``)
+    from row ``desc_row`` on, zero past the stack (the scales by pointer)."""
+    if TMA:
+        b = q_desc.load([desc_row, k0 // 2])
+        w = fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
+    else:
+        w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
     return _mma(a, tl.trans(w.to(a.dtype)), acc, IEEE)
 
 
@@ -183,9 +208,10 @@ def _mma_pairs(a_even, a_odd, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.con
 
 @triton.jit
 def _sorted_gate_up_fp4_kernel(
-    x_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
+    x_ptr, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
-    TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr,
+    TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -199,6 +225,7 @@ def _sorted_gate_up_fp4_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
     gate_rows = expert.to(tl.int64) * 2 * inter + cols  # weight rows of [E * 2I] (up rows follow the I gate rows)
+    row0 = expert * 2 * inter + pid_n * BLOCK_N  # the gate tile's first row (its rows past I are not stored)
     a_rows = x_ptr + token[:, None] * sx_t
     g_q = q_ptr + gate_rows[:, None] * (hidden // 2)
     g_s = s_ptr + gate_rows[:, None] * (hidden // GROUP)
@@ -209,8 +236,10 @@ def _sorted_gate_up_fp4_kernel(
     for k0 in range(0, hidden, BLOCK_K):  # the activation tile loaded once for the gate and the up tile
         if INTERLEAVE:
             a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
-            acc_g = _mma_interleaved(a, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
-            acc_u = _mma_interleaved(a, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
+            acc_g = _mma_interleaved(a, g_q, g_s, cmask, k0, hidden, acc_g, q_desc, row0, IEEE, ASM, TMA, GROUP,
+                                     BLOCK_N, BLOCK_K)
+            acc_u = _mma_interleaved(a, u_q, u_s, cmask, k0, hidden, acc_u, q_desc, row0 + inter, IEEE, ASM, TMA,
+                                     GROUP, BLOCK_N, BLOCK_K)
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, hidden, BLOCK_K)
             acc_g = _mma_pairs(a_even, a_odd, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, GROUP, BLOCK_K)
@@ -224,9 +253,9 @@ def _sorted_gate_up_fp4_kernel(
 
 @triton.jit
 def _sorted_down_fp4_kernel(
-    a_ptr, q_ptr, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
+    a_ptr, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
-    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr,
+    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -245,7 +274,8 @@ def _sorted_down_fp4_kernel(
     for k0 in range(0, inter, BLOCK_K):
         if INTERLEAVE:
             a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
-            acc = _mma_interleaved(a, w_q, w_s, cmask, k0, inter, acc, IEEE, ASM, GROUP, BLOCK_N, BLOCK_K)
+            acc = _mma_interleaved(a, w_q, w_s, cmask, k0, inter, acc, q_desc, expert * hidden + pid_n * BLOCK_N,
+                                   IEEE, ASM, TMA, GROUP, BLOCK_N, BLOCK_K)
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, inter, BLOCK_K)
             acc = _mma_pairs(a_even, a_odd, w_q, w_s, cmask, k0, inter, acc, IEEE, GROUP, BLOCK_K)
@@ -263,6 +293,16 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, row
     assert scale_2.shape == (experts, rows, 1) and scale_2.dtype == torch.float32 and scale_2.is_contiguous()
 
 
+def _descriptor(packed: torch.Tensor, gemm: GemmConfig, interleave: bool, tma: bool | None) -> TensorDescriptor | None:
+    """A tensor descriptor of ``packed``'s bytes viewed ``[rows, C/2]`` with ``[block_n, block_k / 2]`` boxes, where
+    the weight tiles are copied by it (``tma``, default :data:`TMA`; interleaved tiles only, 16-byte aligned rows),
+    else None."""
+    rows, nbytes = packed.shape[0] * packed.shape[1], packed.shape[2]
+    if not (TMA if tma is None else tma) or not interleave or packed.data_ptr() % 16 or nbytes % 16 or not rows:
+        return None
+    return TensorDescriptor.from_tensor(packed.view(rows, nbytes), [gemm.block_n, gemm.block_k // 2])
+
+
 def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, GemmConfig]:
     """Tiles no wider than the problem (at least 32 values of K: two MMAs of 16)."""
     block_m, gemm = config
@@ -274,12 +314,12 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, G
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
-                         asm: bool | None = None) -> torch.Tensor:
+                         asm: bool | None = None, tma: bool | None = None) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave`` and ``asm`` override
-    :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE` and :data:`ASM`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm`` and ``tma`` override
+    :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM` and :data:`TMA`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -289,11 +329,13 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     if assignments == 0:
         return out
     tile_end, max_tiles = tile_ends(ends, assignments, block_m)
+    interleave = INTERLEAVE if interleave is None else interleave
+    desc = _descriptor(packed, gemm, interleave, tma)
     _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
-        x, packed, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
+        x, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
-        TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
-        ASM=use_asm(asm), GROUP=NVFP4_GROUP,
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
+        GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
@@ -302,11 +344,13 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                       scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
-                      interleave: bool | None = None, asm: bool | None = None) -> torch.Tensor:
+                      interleave: bool | None = None, asm: bool | None = None, tma: bool | None = None
+                      ) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
     1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config``,
-    ``interleave`` and ``asm`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE` and :data:`ASM`."""
+    ``interleave``, ``asm`` and ``tma`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM` and
+    :data:`TMA`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -316,11 +360,13 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     if rows == 0:
         return out
     tile_end, max_tiles = tile_ends(ends, rows, block_m)
+    interleave = INTERLEAVE if interleave is None else interleave
+    desc = _descriptor(packed, gemm, interleave, tma)
     _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
-        act, packed, scale.view(torch.uint8), scale_2, out, ends, tile_end,
+        act, packed, desc, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
-        IEEE=act.dtype == torch.float32, INTERLEAVE=INTERLEAVE if interleave is None else interleave,
-        ASM=use_asm(asm), GROUP=NVFP4_GROUP,
+        IEEE=act.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
+        GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

@@ -39,22 +39,29 @@ GEMM = {"q_ptr": "*u8", "s_ptr": "*u8", "s2_ptr": "*fp32", "ends_ptr": "*i32", "
         "num_experts": "i32", "hidden": "i32", "inter": "i32"}
 
 
-@pytest.mark.parametrize("dtype,interleave,asm", [("bf16", *d) for d in DECODES] + [("fp32", True, False)])
-def test_nvfp4_grouped_gemms_compile(dtype, interleave, asm):
-    block_m, gemm = moe_nvfp4_triton.GATE_UP_CONFIG
-    tiles = {"IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16, "BLOCK_M": block_m,
-             "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k}
-    kernel = compile_for_h200(
-        moe_nvfp4_triton._sorted_gate_up_fp4_kernel,
-        {"x_ptr": f"*{dtype}", **GEMM, "out_ptr": f"*{dtype}", "order_ptr": "*i64", "sx_t": "i32", "so_m": "i32"},
-        {"TOP_K": 10, **tiles}, gemm.num_warps, gemm.num_stages)
-    assert ("0x4342" in kernel.asm["ptx"]) == asm  # fp4_asm's byte permute is there exactly when asked for
-    block_m, gemm = moe_nvfp4_triton.DOWN_CONFIG
-    compile_for_h200(
-        moe_nvfp4_triton._sorted_down_fp4_kernel,
-        {"a_ptr": f"*{dtype}", **GEMM, "out_ptr": f"*{dtype}", "sa_m": "i32", "so_m": "i32"},
-        {**tiles, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k},
-        gemm.num_warps, gemm.num_stages)
+def descriptor(tma: bool, gemm) -> str:
+    """The signature of the packed bytes' tensor descriptor argument (``constexpr`` None without one)."""
+    return f"tensordesc<u8[{gemm.block_n}, {gemm.block_k // 2}]>" if tma else "constexpr"
+
+
+@pytest.mark.parametrize("dtype,interleave,asm,tma", [("bf16", *d, d[0]) for d in DECODES]
+                         + [("bf16", True, False, False), ("fp32", True, False, True)])
+def test_nvfp4_grouped_gemms_compile(dtype, interleave, asm, tma):
+    for kernel, (block_m, gemm), extra in (
+            (moe_nvfp4_triton._sorted_gate_up_fp4_kernel, moe_nvfp4_triton.GATE_UP_CONFIG,
+             {"x_ptr": f"*{dtype}", "order_ptr": "*i64", "sx_t": "i32"}),
+            (moe_nvfp4_triton._sorted_down_fp4_kernel, moe_nvfp4_triton.DOWN_CONFIG,
+             {"a_ptr": f"*{dtype}", "sa_m": "i32"})):
+        names = kernel.arg_names
+        types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm)}
+        constants = {"TOP_K": 10, "IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "TMA": tma,
+                     "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k}
+        constants = {k: v for k, v in constants.items() if k in names}
+        if not tma:
+            constants["q_desc"] = None
+        compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
+                                    gemm.num_warps, gemm.num_stages)
+        assert ("0x4342" in compiled.asm["ptx"]) == asm  # fp4_asm's byte permute is there exactly when asked for
 
 
 @pytest.mark.parametrize("fp4,interleave,asm", [(True, *d) for d in DECODES] + [(False, False, False)])
