@@ -253,7 +253,7 @@ def _sorted_gate_up_fp4_kernel(
 
 @triton.jit
 def _sorted_down_fp4_kernel(
-    a_ptr, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
+    a_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
     IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -271,9 +271,13 @@ def _sorted_down_fp4_kernel(
     w_q = q_ptr + w_rows[:, None] * (inter // 2)
     w_s = s_ptr + w_rows[:, None] * (inter // GROUP)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = tl.min(rows, 0)  # the tile's rows are consecutive: with TMA its activation tiles are copied too
     for k0 in range(0, inter, BLOCK_K):
         if INTERLEAVE:
-            a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
+            if TMA:
+                a = a_desc.load([first, k0])
+            else:
+                a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
             acc = _mma_interleaved(a, w_q, w_s, cmask, k0, inter, acc, q_desc, expert * hidden + pid_n * BLOCK_N,
                                    IEEE, ASM, TMA, GROUP, BLOCK_N, BLOCK_K)
         else:
@@ -362,8 +366,14 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     tile_end, max_tiles = tile_ends(ends, rows, block_m)
     interleave = INTERLEAVE if interleave is None else interleave
     desc = _descriptor(packed, gemm, interleave, tma)
+    a_desc = None
+    if desc is not None:  # the activations are in expert order: a tile's rows are consecutive
+        if act.stride(0) * act.element_size() % 16 or act.data_ptr() % 16 or not act.is_contiguous():
+            desc = None
+        else:
+            a_desc = TensorDescriptor.from_tensor(act, [block_m, gemm.block_k])
     _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
-        act, packed, desc, scale.view(torch.uint8), scale_2, out, ends, tile_end,
+        act, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
         IEEE=act.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
         GROUP=NVFP4_GROUP,

@@ -1,35 +1,41 @@
-"""The NVFP4, decode GEMV and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton lowers them to PTX and its
-bundled ptxas assembles it, no GPU needed. The interpreter runs a kernel's arithmetic but not its lowering: a
-type that differs between two returns, a layout Triton cannot convert or a PTX typo only fails here (or on a
-GPU). Each variant the tuning switches select is compiled as the launchers would launch it at the model's shapes.
+"""The NVFP4, decode GEMV and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton lowers them to
+PTX and its bundled ptxas assembles it, no GPU needed. The interpreter runs a kernel's arithmetic but not its
+lowering: a type that differs between two returns, a layout Triton cannot convert or a PTX typo only fails here (or
+on a GPU). Each variant the tuning switches select is compiled as the launchers would launch it at the model's
+shapes.
+
+The compiles run in one child process without ``TRITON_INTERPRET`` (the other kernel tests set it before their
+first import of triton, which turns every kernel into an interpreted function); each test reads its case's outcome.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
+from importlib.util import find_spec
 
 import pytest
 
-pytest.importorskip("triton")
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from tidal.kernels import moe_decode_triton, moe_nvfp4_triton, ple_triton  # noqa: E402
-
-H200 = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="this triton install has no ptxas")
+# Found without importing triton here: this process's kernel tests choose the interpreter before they import it.
+TRITON = find_spec("triton")
+PTXAS = os.path.join(TRITON.submodule_search_locations[0], "backends", "nvidia", "bin", "ptxas") if TRITON else ""
+pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="no triton, or a triton install without ptxas")
 # (interleave, asm): the ways a weight tile is decoded.
 DECODES = [(True, False), (True, True), (False, False)]
 
 
 def compile_for_h200(fn, signature: dict[str, str], constants: dict, warps: int = 4, stages: int = 3):
     """``fn`` compiled for sm_90 with ``signature`` (Triton's type strings) and ``constants`` (constexpr values);
-    the compiled kernel, with its PTX and cubin."""
+    the compiled kernel, with its PTX and cubin. In the child process only."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
-    kernel = triton.compile(ASTSource(fn, signature, constants), target=H200,
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"], "no cubin"
     return kernel
@@ -44,31 +50,32 @@ def descriptor(tma: bool, gemm) -> str:
     return f"tensordesc<u8[{gemm.block_n}, {gemm.block_k // 2}]>" if tma else "constexpr"
 
 
-@pytest.mark.parametrize("dtype,interleave,asm,tma", [("bf16", *d, d[0]) for d in DECODES]
-                         + [("bf16", True, False, False), ("fp32", True, False, True)])
-def test_nvfp4_grouped_gemms_compile(dtype, interleave, asm, tma):
+def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool) -> None:
+    """Both NVFP4 grouped GEMMs at their default tiles; the PTX decode is in the code exactly when asked for."""
+    from tidal.kernels import moe_nvfp4_triton
+
     for kernel, (block_m, gemm), extra in (
             (moe_nvfp4_triton._sorted_gate_up_fp4_kernel, moe_nvfp4_triton.GATE_UP_CONFIG,
              {"x_ptr": f"*{dtype}", "order_ptr": "*i64", "sx_t": "i32"}),
             (moe_nvfp4_triton._sorted_down_fp4_kernel, moe_nvfp4_triton.DOWN_CONFIG,
              {"a_ptr": f"*{dtype}", "sa_m": "i32"})):
         names = kernel.arg_names
-        types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm)}
+        types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm),
+                 "a_desc": f"tensordesc<{dtype}[{block_m}, {gemm.block_k}]>" if tma else "constexpr"}
         constants = {"TOP_K": 10, "IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "TMA": tma,
                      "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k}
         constants = {k: v for k, v in constants.items() if k in names}
         if not tma:
-            constants["q_desc"] = None
+            constants.update({n: None for n in ("q_desc", "a_desc") if n in names})
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
-        assert ("0x4342" in compiled.asm["ptx"]) == asm  # fp4_asm's byte permute is there exactly when asked for
+        assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
 
 
-@pytest.mark.parametrize("fp4,interleave,asm", [(True, *d) for d in DECODES] + [(False, False, False)])
-@pytest.mark.parametrize("tokens", [1, 32])
-def test_decode_gemvs_compile(fp4, interleave, asm, tokens):
-    """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at each config row's
-    tiles."""
+def decode_gemvs(fp4: bool, interleave: bool, asm: bool, tokens: int) -> None:
+    """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at the config row's tiles."""
+    from tidal.kernels import moe_decode_triton
+
     gate_up, down = moe_decode_triton.pick_config(tokens)
     common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16,
               "PDL": True}
@@ -85,7 +92,45 @@ def test_decode_gemvs_compile(fp4, interleave, asm, tokens):
                      {**common, "BLOCK_N": down.block_n, "BLOCK_K": 512}, down.num_warps)
 
 
-def test_gather_rows_compiles():
+def gather_rows() -> None:
+    from tidal.kernels import ple_triton
+
     compile_for_h200(ple_triton._gather_rows_kernel,
                      {"table_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": "*u8", "n": "i32", "width": "i32"},
                      {"BLOCK_R": ple_triton.GATHER_ROWS, "BLOCK_W": ple_triton.GATHER_BYTES})
+
+
+CASES = {
+    **{f"grouped {dtype} interleave={i} asm={a} tma={t}": (grouped_gemms, (dtype, i, a, t))
+       for dtype, i, a, t in [("bf16", *d, d[0]) for d in DECODES] + [("bf16", True, False, False),
+                                                                       ("fp32", True, False, True)]},
+    **{f"gemv tokens={n} fp4={f} interleave={i} asm={a}": (decode_gemvs, (f, i, a, n))
+       for n in (1, 32) for f, i, a in [(True, *d) for d in DECODES] + [(False, False, False)]},
+    "gather_rows": (gather_rows, ()),
+}
+
+
+@functools.cache
+def outcomes() -> dict[str, str]:
+    """Every case compiled in one child process without ``TRITON_INTERPRET``: case -> "ok" or the error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiles_for_h200(case):
+    assert outcomes()[case] == "ok"
+
+
+if __name__ == "__main__":
+    results = {}
+    for name, (fn, args) in CASES.items():
+        try:
+            fn(*args)
+            results[name] = "ok"
+        except Exception as e:  # reported per case by the test that reads it
+            results[name] = f"{type(e).__name__}: {e}"[-3000:]
+    print(json.dumps(results))
