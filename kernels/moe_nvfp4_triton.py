@@ -42,6 +42,10 @@ INTERLEAVE = True
 # Interleaved weight tiles copied by the tensor memory accelerator (a descriptor of the packed bytes; the scales and
 # the gathered activation rows by pointer), rather than by pointer: no tensor of per-byte pointers in registers.
 TMA = True
+# The gate_up pass's rows copied in expert order first (one gather of ``[A, H]``), so its activation tiles are
+# copied by a tensor descriptor too, rather than gathered by pointer inside the GEMM (compiled for sm_90 at the
+# default tiles: no register spills, against 60 spill stores with the pointer gather).
+GATHERED = True
 # Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
 # integer operations; never under Triton's interpreter, which runs no PTX.
 ASM = False
@@ -208,10 +212,10 @@ def _mma_pairs(a_even, a_odd, q_rows, s_rows, rmask, k0, kdim, acc, IEEE: tl.con
 
 @triton.jit
 def _sorted_gate_up_fp4_kernel(
-    x_ptr, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
+    x_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
     TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
-    GROUP: tl.constexpr,
+    GATHERED: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -233,9 +237,13 @@ def _sorted_gate_up_fp4_kernel(
     u_s = g_s + inter * (hidden // GROUP)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first = tl.min(rows, 0)
     for k0 in range(0, hidden, BLOCK_K):  # the activation tile loaded once for the gate and the up tile
         if INTERLEAVE:
-            a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
+            if GATHERED:  # the rows copied in expert order before: a tile's rows are consecutive there
+                a = a_desc.load([first, k0])
+            else:
+                a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
             acc_g = _mma_interleaved(a, g_q, g_s, cmask, k0, hidden, acc_g, q_desc, row0, IEEE, ASM, TMA, GROUP,
                                      BLOCK_N, BLOCK_K)
             acc_u = _mma_interleaved(a, u_q, u_s, cmask, k0, hidden, acc_u, q_desc, row0 + inter, IEEE, ASM, TMA,
@@ -318,12 +326,14 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, G
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
-                         asm: bool | None = None, tma: bool | None = None) -> torch.Tensor:
+                         asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None
+                         ) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm`` and ``tma`` override
-    :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM` and :data:`TMA`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma`` and
+    ``gathered`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA` and
+    :data:`GATHERED`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -335,11 +345,15 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     tile_end, max_tiles = tile_ends(ends, assignments, block_m)
     interleave = INTERLEAVE if interleave is None else interleave
     desc = _descriptor(packed, gemm, interleave, tma)
+    a_desc = None
+    if desc is not None and (GATHERED if gathered is None else gathered) and hidden * x.element_size() % 16 == 0:
+        rows = x.index_select(0, order // top_k)  # [A, H] in expert order
+        a_desc = TensorDescriptor.from_tensor(rows, [block_m, gemm.block_k])
     _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
-        x, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
+        x, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
         TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
-        GROUP=NVFP4_GROUP,
+        GATHERED=a_desc is not None, GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

@@ -50,7 +50,7 @@ def descriptor(tma: bool, gemm) -> str:
     return f"tensordesc<u8[{gemm.block_n}, {gemm.block_k // 2}]>" if tma else "constexpr"
 
 
-def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool) -> None:
+def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: bool = False) -> None:
     """Both NVFP4 grouped GEMMs at their default tiles; the PTX decode is in the code exactly when asked for."""
     from tidal.kernels import moe_nvfp4_triton
 
@@ -63,10 +63,13 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool) -> None:
         types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm),
                  "a_desc": f"tensordesc<{dtype}[{block_m}, {gemm.block_k}]>" if tma else "constexpr"}
         constants = {"TOP_K": 10, "IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "TMA": tma,
-                     "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k}
+                     "GATHERED": gathered, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n,
+                     "BLOCK_K": gemm.block_k}
         constants = {k: v for k, v in constants.items() if k in names}
         if not tma:
             constants.update({n: None for n in ("q_desc", "a_desc") if n in names})
+        elif "GATHERED" in names and not gathered:
+            constants["a_desc"] = None
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
         assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
@@ -101,9 +104,9 @@ def gather_rows() -> None:
 
 
 CASES = {
-    **{f"grouped {dtype} interleave={i} asm={a} tma={t}": (grouped_gemms, (dtype, i, a, t))
-       for dtype, i, a, t in [("bf16", *d, d[0]) for d in DECODES] + [("bf16", True, False, False),
-                                                                       ("fp32", True, False, True)]},
+    **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g}": (grouped_gemms, (dtype, i, a, t, g))
+       for dtype, i, a, t, g in [("bf16", *d, d[0], False) for d in DECODES]
+       + [("bf16", True, False, True, True), ("bf16", True, False, False, False), ("fp32", True, False, True, False)]},
     **{f"gemv tokens={n} fp4={f} interleave={i} asm={a}": (decode_gemvs, (f, i, a, n))
        for n in (1, 32) for f, i, a in [(True, *d) for d in DECODES] + [(False, False, False)]},
     "gather_rows": (gather_rows, ()),

@@ -14,7 +14,8 @@ TFLOP/s of the gate_up GEMM, and the largest difference from the replaced path, 
 experts), each against the bf16 path at the same shapes and against the experts dequantized per call and the bf16
 path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
 and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant decodes its
-tiles in column order by Triton's operations or by PTX, or as even and odd columns (:data:`DECODES`).
+tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied by descriptor
+or by pointer, its rows gathered inside the GEMM or copied first (:data:`VARIANTS`, :data:`DECODES`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
 # NVFP4 passes: (block_m, block_n, block_k in values, warps, stages).
 NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
                  (256, 64, 128, 8, 2), (256, 128, 64, 8, 2)]
-# (interleave, asm): how a weight tile is decoded and fed to the MMA (moe_nvfp4_triton.INTERLEAVE, ASM).
+# (interleave, asm, tma, gathered): how a weight tile is decoded and fed to the MMA, and how the tiles arrive
+# (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED).
+VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, True, True): "+asm",
+            (True, False, True, False): "interleave tma", (True, False, False, False): "interleave",
+            (False, False, False, False): "even/odd"}
+# (interleave, asm) of the decode GEMVs.
 DECODES = {(True, False): "interleave", (True, True): "interleave+asm", (False, False): "even/odd"}
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
                 ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8))]
@@ -110,19 +116,21 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
     exact = {"gate_up": moe_triton.sorted_gate_up(x, order, ends, q_gate_up.dequantize(x.dtype), top_k).float(),
              "down": moe._grouped_mm(act, q_down.dequantize(x.dtype).transpose(1, 2), offs=ends).float()}
     for name, make, ref, mult in (
-            ("gate_up", lambda cfg, i, a: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k,
-                                                                                cfg, i, a),
+            ("gate_up", lambda cfg, v: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k,
+                                                                             cfg, *v),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
-            ("down", lambda cfg, i, a: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, i, a),
+            ("down", lambda cfg, v: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, *v[:3]),
              lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
         ms = timed(ref, False)
         print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
-        for (bm, bn, bk, w, s), (interleave, asm) in itertools.product(NVFP4_CONFIGS, DECODES):
+        for (bm, bn, bk, w, s), variant in itertools.product(NVFP4_CONFIGS, VARIANTS):
+            if name == "down" and not variant[3]:  # the down pass's rows are in expert order: nothing to gather
+                continue
             cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
-            label = f"m{bm} n{bn} k{bk} w{w} s{s} {DECODES[interleave, asm]}"
+            label = f"m{bm} n{bn} k{bk} w{w} s{s} {VARIANTS[variant]}"
             try:
-                diff = (make(cfg, interleave, asm).float() - exact[name]).abs().max().item()
-                ms = timed(functools.partial(make, cfg, interleave, asm), False)
+                diff = (make(cfg, variant).float() - exact[name]).abs().max().item()
+                ms = timed(functools.partial(make, cfg, variant), False)
             except Exception as e:  # out of shared memory or registers for this config
                 print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
