@@ -77,8 +77,7 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
 
 
 # NVFP4 passes: (block_m, block_n, block_k in values, warps, stages).
-NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
-                 (256, 64, 128, 8, 2), (256, 128, 64, 8, 2)]
+NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 64, 8, 3)]
 # (interleave, asm, tma, gathered): how a weight tile is decoded and fed to the MMA, and how the tiles arrive
 # (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED).
 VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, True, True): "+asm",
