@@ -4,16 +4,17 @@ Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTE
 
 The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
-(one global scale per row). A program loads a tile of packed bytes and the scale byte of each, decodes both in
-registers (:func:`fp4_interleaved`: ``code * scale`` is exact in fp16 and in bf16) and feeds the activations' dtype
-to the tensor cores: the scale tile is widened to its bytes and each byte's two values joined in column order in
-registers (:data:`INTERLEAVE`), or the even and odd columns of the byte tile are two MMAs of half the K tile
-against the activations' even and odd columns (the reduction does not depend on the order of K). ``scale_2`` is
-constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded values are short
-of).
+(one global scale per row). A program copies a tile of packed bytes (by tensor descriptor, :data:`TMA`) and the
+scale byte of each group, decodes both in registers (:func:`fp4_tile`: ``code * scale`` is exact in fp16 and in
+bf16) and feeds the activations' dtype to the tensor cores: the scale tile is widened to its bytes and each byte's
+two values joined in column order (:data:`INTERLEAVE`), or the even and odd columns of the byte tile are two MMAs of
+half the K tile against the activations' even and odd columns (the reduction does not depend on the order of K).
+``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded
+values are short of).
 
-- :func:`sorted_gate_up_nvfp4`: the rows gathered through the expert sort, gate and up tiles side by side,
-  ``silu(gate) * up`` in the epilogue (the bf16 path's :func:`~tidal.kernels.moe_triton.sorted_gate_up`).
+- :func:`sorted_gate_up_nvfp4`: the rows taken through the expert sort (copied in that order first,
+  :data:`GATHERED`, or gathered inside), gate and up tiles side by side, ``silu(gate) * up`` in the epilogue (the
+  bf16 path's :func:`~tidal.kernels.moe_triton.sorted_gate_up`).
 - :func:`sorted_down_nvfp4`: the activations (already in expert order) times each expert's ``down``.
 
 The rows of both are found as in ``sorted_gate_up``: row tiles of one expert each, from where each expert's run
@@ -39,8 +40,8 @@ DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
 INTERLEAVE = True
-# Interleaved weight tiles copied by the tensor memory accelerator (a descriptor of the packed bytes; the scales and
-# the gathered activation rows by pointer), rather than by pointer: no tensor of per-byte pointers in registers.
+# Interleaved weight tiles copied by the tensor memory accelerator (a descriptor of the packed bytes; the scales by
+# pointer), rather than by pointer: no tensor of per-byte pointers in registers.
 TMA = True
 # The gate_up pass's rows copied in expert order first (one gather of ``[A, H]``), so its activation tiles are
 # copied by a tensor descriptor too, rather than gathered by pointer inside the GEMM (compiled for sm_90 at the
@@ -56,8 +57,8 @@ def use_asm(asm: bool | None) -> bool:
     return (ASM if asm is None else asm) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-# ``fp4_pairs`` returns values 2^-14 times their true size (see there): the epilogues multiply it back with the
-# global scale.
+# The decoded values are 2^-14 times their true size (see :func:`fp4_pairs`): the epilogues multiply it back with
+# the global scale.
 FP4_UNSCALE = tl.constexpr(16384.0)
 
 
