@@ -99,6 +99,22 @@ def test_fused_experts_nvfp4_equals_the_loop(tokens):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # fp32 sums in another order, two GEMMs deep
 
 
+def test_an_expert_cache_of_more_slots_than_a_grouped_gemm_call_takes():
+    """1,100 experts (an offloaded layer reads the whole expert cache in place; torch's grouped GEMM takes at most
+    1,023 groups a call): the rows of experts past the first 1,024 come out as the loop computes them."""
+    experts = 1100
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 64, generator=g).to(DEV)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(40)])
+    ids[:8, 0] = torch.arange(1090, 1098)  # some rows at the far end
+    ids = ids.to(DEV)
+    weights = torch.softmax(torch.randn(40, 3, generator=g), -1).to(DEV)
+    gate_up, down = quantized(experts, 64, 64, 5, parts=2), quantized(experts, 64, 32, 6)
+    ref = fused_experts_ref(x, ids, weights, gate_up.dequantize(), down.dequantize())
+    out = moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 def test_no_rows(kernels):
     x, ids, weights, gate_up, down = case(1, 2, 4, 64, 32)
