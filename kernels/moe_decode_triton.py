@@ -297,7 +297,7 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
 # even and odd columns with a scale load per byte.
 FP4_INTERLEAVE = True
 # ... and decoded by PTX on packed registers (``moe_nvfp4_triton.fp4_asm``; never in the interpreter).
-FP4_ASM = False
+FP4_ASM = True
 
 # Output features a combine program sums.
 COMBINE_BLOCK = 512

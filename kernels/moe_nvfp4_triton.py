@@ -35,7 +35,7 @@ from .quant import NVFP4_GROUP, Nvfp4
 
 # (block_m, config) of each pass; block_k counts values (half as many bytes). Every row count takes the same
 # tiles, so a row's arithmetic never depends on how many rows share its forward.
-GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 8, 3))
+GATE_UP_CONFIG: tuple[int, GemmConfig] = (64, GemmConfig(128, 128, 4, 3))
 DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
@@ -44,12 +44,12 @@ INTERLEAVE = True
 # pointer), rather than by pointer: no tensor of per-byte pointers in registers.
 TMA = True
 # The gate_up pass's rows copied in expert order first (one gather of ``[A, H]``), so its activation tiles are
-# copied by a tensor descriptor too, rather than gathered by pointer inside the GEMM (compiled for sm_90 at the
-# default tiles: no register spills, against 60 spill stores with the pointer gather).
+# copied by a tensor descriptor too, rather than gathered by pointer inside the GEMM (no tensor of row pointers held
+# in registers through the K loop).
 GATHERED = True
 # Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
 # integer operations; never under Triton's interpreter, which runs no PTX.
-ASM = False
+ASM = True
 
 
 def use_asm(asm: bool | None) -> bool:
