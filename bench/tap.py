@@ -20,6 +20,7 @@ class TapRecord:
     plan: dict | None = None
     admissions: int = 0
     token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() each token's message arrived
     finished: bool = False
     finish_reason: str | None = None
 
@@ -71,6 +72,7 @@ class TapReader:
             if not self._sock.poll(50):
                 continue
             raw = self._sock.recv()
+            now = time.monotonic()
             try:
                 msg = self._decode(raw)
             except self._decode_error:
@@ -88,6 +90,7 @@ class TapReader:
                                     "checkpoints": len(msg.plan.checkpoints)}
                 else:
                     rec.token_ids.extend(msg.token_ids)
+                    rec.token_times.extend([now] * len(msg.token_ids))
                     if msg.finished:
                         rec.finished, rec.finish_reason = True, msg.finish_reason
                 self._cond.notify_all()
