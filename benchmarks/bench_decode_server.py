@@ -41,19 +41,24 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1000, 240000) for _ in range(n)]
 
 
-def sample(srv: Server, tap: TapReader, context: int, conc: int, tokens: int, seed: int) -> float:
+def sample(srv: Server, tap: TapReader, context: int, conc: int, tokens: int, seed: int) -> dict:
     """Decode tok/s of ``conc`` concurrent requests: the tokens after each one's first over the time from the
     latest first token to the last token, both as the tap delivered them (a token whose text is empty sends no
-    SSE event, so the stream cannot time it)."""
+    SSE event, so the stream cannot time it); with the times (seconds from the start) they are drawn from."""
     prompts = [prompt(context, seed * 1000 + i) for i in range(conc)]
+    t0 = time.monotonic()
     with ThreadPoolExecutor(conc) as pool:
         results = list(pool.map(lambda p: greedy_stream(srv.url, p, tokens, "bench"), prompts))
+    wall = time.monotonic() - t0
     assert all(r["usage"]["completion_tokens"] == tokens for r in results)
     records = [tap.wait(r["rid"], 30.0) for r in results]
     if any(rec is None or len(rec.token_times) != tokens for rec in records):
         raise RuntimeError(f"the tap did not deliver {tokens} tokens of every request")
-    span = max(rec.token_times[-1] for rec in records) - max(rec.token_times[0] for rec in records)
-    return conc * (tokens - 1) / span
+    first = max(rec.token_times[0] for rec in records) - t0
+    last = max(rec.token_times[-1] for rec in records) - t0
+    return {"tok_per_s": conc * (tokens - 1) / (last - first), "ms_per_step": (last - first) / (tokens - 1) * 1e3,
+            "wall_s": wall, "first_token_s": first, "last_token_s": last,
+            "tap_messages": max(len(set(rec.token_times)) for rec in records)}
 
 
 def main() -> None:
@@ -89,9 +94,12 @@ def main() -> None:
                     # As long as the timed sample: the graphs (and kernels) of every shape it meets, the QSA block
                     # count growing with the context included, are captured (compiled) before it.
                     sample(servers[arm], taps[arm], context, conc, ns.tokens, seed=7)
-                    rate = sample(servers[arm], taps[arm], context, conc, ns.tokens, seed=context + conc)
-                    results["rows"].append({"arm": arm, "context": context, "concurrency": conc, "tok_per_s": rate})
-                    print(f"{arm:18s} context {context:5d} concurrency {conc:3d}: {rate:8.1f} tok/s", flush=True)
+                    row = sample(servers[arm], taps[arm], context, conc, ns.tokens, seed=context + conc)
+                    results["rows"].append({"arm": arm, "context": context, "concurrency": conc, **row})
+                    print(f"{arm:18s} context {context:5d} concurrency {conc:3d}: {row['tok_per_s']:8.1f} tok/s "
+                          f"({row['ms_per_step']:.2f} ms a step; tokens {row['first_token_s']:.3f}-"
+                          f"{row['last_token_s']:.3f} s of {row['wall_s']:.3f} s, {row['tap_messages']} tap messages)",
+                          flush=True)
                     with open(os.path.join(ns.out, "bench_decode_server.json"), "w") as f:
                         json.dump(results, f, indent=1)
     finally:
