@@ -52,6 +52,7 @@ class DecodeGraphs:
     def __init__(self, model, config, kv, states, device: torch.device, max_batch: int, max_pages: int,
                  pad_slot: int, pad_page: int, capture: bool):
         self.model, self.kv, self.states = model, kv, states
+        self.num_layers = len(model.model.layers)
         self.device = device
         self.capture = capture
         self.max_batch = max_batch
@@ -169,6 +170,10 @@ class DecodeGraphs:
     def prepare(self, key: tuple[int, int]) -> None:
         """Capture the graph of shape ``key`` unless it is captured already."""
         if key not in self._graphs:
+            layers = len(self.model.model.layers)
+            if layers != self.num_layers:
+                raise RuntimeError(f"a decode graph captured over {layers} of the model's {self.num_layers} layers "
+                                   "would replay only those")
             self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
             self._graphs[key] = self._record(*key)
             self.captures += 1

@@ -16,7 +16,8 @@ the limit, one less and one more, the limit and its largest multiple of 16), one
   where QSA selects its most blocks (decode attention splits its keys by the count itself and the blocks
   selected); each sampling path (greedy, filtered random, log-probabilities), a continuation, a layer-major
   prefill when the server runs those;
-* with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`).
+* with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`), captured over the whole model; the steps
+  before run their decode rows as the graph's step run eagerly (:func:`no_capture`), over their layers.
 
 Kernels depend on shapes, not on which layer runs them, so every forward but the graph captures runs over
 one layer of each kind (:func:`layer_kinds`): the warm-up costs a few layers' time, not the model's. Its
@@ -107,6 +108,20 @@ def only_layers(model, positions: list[int]):
         yield
     finally:
         inner.layers = every
+
+
+@contextlib.contextmanager
+def no_capture(graphs):
+    """Decode rows that fit a graph run its step eagerly until the block ends (``graphs``: the runner's
+    :class:`DecodeGraphs` or ``None``): a graph captured over some of the layers would replay only those."""
+    if graphs is None or not graphs.capture:
+        yield
+        return
+    graphs.capture = False
+    try:
+        yield
+    finally:
+        graphs.capture = True
 
 
 class CompileCounter:
@@ -235,7 +250,7 @@ class WarmUp:
         if what == "graph":  # a captured step replays the whole model
             self._graph(arg)
             return
-        with only_layers(self.runner.model, self.layers_for(what, arg)):
+        with only_layers(self.runner.model, self.layers_for(what, arg)), no_capture(self.runner.graphs):
             getattr(self, f"_{what}")(arg)
 
     def layers_for(self, what: str, arg) -> list[int]:

@@ -112,6 +112,44 @@ def test_generation_after_the_warm_up_equals_a_cold_runner(tiny_checkpoint, alon
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
 
 
+class LayersAtCapture:
+    """A CUDA graph's stand-in on the CPU: each replay runs the step over the decoder layers the model had when it
+    was captured, as a graph replays the kernels it recorded."""
+
+    def __init__(self, graphs, size: int, blocks: int):
+        self.graphs, self.key = graphs, (size, blocks)
+        self.layers = graphs.model.model.layers
+
+    def replay(self) -> None:
+        inner = self.graphs.model.model
+        every, inner.layers = inner.layers, self.layers
+        try:
+            self.graphs._step(*self.key)
+        finally:
+            inner.layers = every
+
+
+def test_decode_graphs_are_captured_over_every_layer(tiny_checkpoint, alone, monkeypatch):
+    """The warm-up runs its eager steps over some of the layers; a decode graph captured inside one of them would
+    replay only those layers ever after."""
+    from tidal.executor.cuda_graph import DecodeGraphs
+
+    monkeypatch.setattr(DecodeGraphs, "_record", lambda self, size, blocks: LayersAtCapture(self, size, blocks))
+    llm = LLM(tiny_checkpoint, max_prefill_length=64, max_running_requests=4)
+    llm.runner.use_graphs(4, 64, capture=True)
+    graphs = llm.runner.graphs
+    WarmUp(llm.runner, llm.sizes, 64, 4).run()
+    assert graphs.captures == len(graphs.shapes())
+    every = llm.runner.model.model.layers
+    assert all(len(g.layers) == len(every) for g in graphs._graphs.values())
+    steps = graphs.steps
+    assert llm.generate(PROMPTS + [ids(200, 9)], max_tokens=24, ignore_eos=True) == alone
+    assert graphs.steps > steps  # the decode steps replayed the graphs
+    with only_layers(llm.runner.model, [0]), pytest.raises(RuntimeError, match="1 of the model's 4 layers"):
+        graphs._graphs.clear()
+        graphs.prepare(graphs.shapes()[0])
+
+
 def test_every_decode_row_count_and_context_meets_the_attention_layers(tiny_checkpoint):
     """Decode attention splits its keys by the row count itself (not its class) and the blocks QSA selects: every
     count from 1 to the running requests gets a decode step after a context where QSA selects its most blocks,
