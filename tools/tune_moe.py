@@ -1,8 +1,11 @@
-"""Sweep the launch configs of the grouped path's gate_up pass at the bench shapes (device-only).
+"""Sweep the launch configs of the MoE kernels at the bench shapes or any other (device-only).
 
     python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
+        [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10]
 
-512 experts, top-10, hidden 2048, intermediate 512, bf16, softmax-top-k routing of random logits. For
+The bench shapes by default (512 experts, top-10, hidden 2048, intermediate 512; ``flash-next``'s are
+``--hidden 2560 --intermediate 640``), bf16, softmax-top-k routing of random logits; an empty ``--tokens`` or
+``--decode-tokens`` skips that part. For
 each token count, prints the path it replaces (rows gathered in expert order, torch's grouped GEMM,
 the SiLU-gate pass) and then each config of ``moe_triton.sorted_gate_up`` (:data:`CONFIGS`, weight tiles
 by pointer or by tensor descriptor): median time (CUDA events),
@@ -86,7 +89,9 @@ VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, T
 # (interleave, asm) of the decode GEMVs.
 DECODES = {(True, False): "interleave", (True, True): "interleave+asm", (False, False): "even/odd"}
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
-                ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8))]
+                ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8)),
+                # reduction tiles that divide flash-next's 2,560 and 640 (no masked remainder tile)
+                ((4, 512, 4), (16, 128, 4)), ((8, 256, 4), (32, 128, 4)), ((2, 512, 4), (8, 128, 4))]
 
 
 def routing(tokens: int, experts: int, top_k: int, hidden: int, g: torch.Generator):
@@ -167,22 +172,27 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,32768")
     ap.add_argument("--quantization", default=None, choices=["nvfp4"])
     ap.add_argument("--decode-tokens", default="1,8,32")
+    ap.add_argument("--experts", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=10)
     ns = ap.parse_args()
-    experts, hidden, inter = 512, 2048, 512
+    experts, hidden, inter, top_k = ns.experts, ns.hidden, ns.intermediate, ns.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).bfloat16()
     down = (torch.randn(experts, hidden, inter, generator=g, device="cuda") / inter ** 0.5).bfloat16()
+    counts = [int(t) for t in ns.tokens.split(",") if t]
     if ns.quantization is None:
-        for tokens in map(int, ns.tokens.split(",")):
-            sweep(tokens, gate_up, down, 10, g)
+        for tokens in counts:
+            sweep(tokens, gate_up, down, top_k, g)
         return
     from tidal.executor.quant import quantize_experts
 
     q_gate_up, q_down = quantize_experts(gate_up, [inter, inter], "nvfp4"), quantize_experts(down, [hidden], "nvfp4")
-    for tokens in map(int, ns.tokens.split(",")):
-        sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, 10, g)
-    for tokens in map(int, ns.decode_tokens.split(",")):
-        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, 10, g)
+    for tokens in counts:
+        sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, top_k, g)
+    for tokens in (int(t) for t in ns.decode_tokens.split(",") if t):
+        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g)
 
 
 if __name__ == "__main__":
