@@ -22,13 +22,21 @@ if DEVICE.startswith("cuda"):
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
-# The longest file goes first: `make test` runs two pytest-xdist workers that take a file at a time, in
-# collection order, so a long file started last would leave one worker running it alone at the end.
-FIRST = ("test_docker.py", "test_tensor_parallel.py")
+# The longest files go first, longest first: `make test` runs two pytest-xdist workers that take a file at a
+# time, in collection order, so a long file started last would leave one worker running it alone at the end.
+FIRST = ("test_docker.py", "test_tensor_parallel.py", "test_bench_scripts.py", "test_faults.py", "test_client_tools.py",
+         "test_quantized.py", "test_server.py", "test_load.py", "test_kernel_attention.py")
+
+
+def pytest_configure(config):
+    # pytest-xdist (3.x) otherwise hands out the files with the most tests first, whatever the collection order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: files keep their order otherwise
+    # stable: the other files keep their order
+    items.sort(key=lambda item: FIRST.index(item.path.name) if item.path.name in FIRST else len(FIRST))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
