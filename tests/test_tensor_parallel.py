@@ -9,8 +9,11 @@ grouped GDN value heads (8 value heads over 4 key heads).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -58,9 +61,10 @@ def needs_devices(size: int) -> None:
         pytest.skip(f"needs {size} CUDA devices, {torch.cuda.device_count()} visible")
 
 
-def _run_job(path: str, size: int, length: int, kwargs: dict):
-    """One ``LLM`` of the job's keywords: with ``length`` 0 what :func:`_prefix_run` returns, else ``(logits of the
-    prompt, 32 greedy ids, executor counters of the scoring forward)``."""
+def _run_job(path: str, size: int, length: int, kwargs: dict, logits_file: str | None):
+    """One ``LLM`` of the job's keywords: with ``length`` 0 what :func:`_prefix_run` returns, else ``(logits_file,
+    32 greedy ids, executor counters of the scoring forward)``, the logits of the prompt written to ``logits_file``
+    (``None``: not written)."""
     llm = LLM(path, tp=size, **kwargs)
     if length == 0:  # the prefix-cache scenario
         return _prefix_run(llm)
@@ -68,10 +72,13 @@ def _run_job(path: str, size: int, length: int, kwargs: dict):
     logits = llm.score(_prompt(length))
     scored = {k: [a - b for a, b in zip(v, before[k], strict=True)] for k, v in llm.runner.stats().items()}
     ids = llm.generate([_prompt(length)], max_tokens=32, ignore_eos=True)[0]
-    return logits.numpy(), ids, scored  # by value: the process exits before the parent reads
+    if logits_file is not None:  # a file, not the queue: a 1024-row prompt has 1 GB of logits
+        np.save(logits_file, logits.numpy())
+    return logits_file, ids, scored
 
 
-def _rank_main(rank: int, size: int, port: int, path: str, jobs: list[tuple[int, dict]], queue) -> None:
+def _rank_main(rank: int, size: int, port: int, path: str, jobs: list[tuple[int, dict]], out_dir: str,
+               queue) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
 
@@ -82,7 +89,9 @@ def _rank_main(rank: int, size: int, port: int, path: str, jobs: list[tuple[int,
     where = dict(device=f"cuda:{rank}", dtype="float32") if CUDA else {}
     try:
         # one LLM after another in the same rank processes
-        results = [_run_job(path, size, length, {**where, **kwargs}) for length, kwargs in jobs]
+        results = [_run_job(path, size, length, {**where, **kwargs},
+                            os.path.join(out_dir, f"{i}.npy") if rank == 0 else None)
+                   for i, (length, kwargs) in enumerate(jobs)]
         if rank == 0:
             queue.put(results)
     except Exception as e:  # report instead of hanging the parent
@@ -112,9 +121,15 @@ def run_tp_jobs(path: str, size: int, jobs: list[tuple[int, dict]]) -> list:
     """Each ``(length, LLM keywords)`` of ``jobs`` run in turn by one set of ``size`` rank processes (what
     :func:`_run_job` returns, from rank 0, logits as tensors)."""
     needs_devices(size)
-    result = spawn_ranks(size, _rank_main, lambda rank, port, queue: (rank, size, port, path, jobs, queue))
-    return [r if length == 0 else (torch.from_numpy(r[0]), r[1], r[2]) for (length, _), r in zip(jobs, result,
-                                                                                                  strict=True)]
+    out_dir = tempfile.mkdtemp(prefix="tidal-tp-")
+    try:
+        result = spawn_ranks(size, _rank_main,
+                             lambda rank, port, queue: (rank, size, port, path, jobs, out_dir, queue))
+        # mapped copy-on-write: read as the comparison goes, and the folder can go at once
+        return [r if length == 0 else (torch.from_numpy(np.load(r[0], mmap_mode="c")), r[1], r[2])
+                for (length, _), r in zip(jobs, result, strict=True)]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def run_tp_variants(path: str, size: int, length: int, variants: list[dict]) -> list:
