@@ -9,6 +9,7 @@ the checkpoint path in ``TIDAL_MODEL_PATH``.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ import sys
 
 import zmq
 
-from ..config.server_args import ServerArgs
+from ..config.server_args import ArgsError, ServerArgs
 from .ipc import die_with_parent, exit_now, set_process_name, setup_logging
 from .supervisor import Member
 
@@ -63,6 +64,23 @@ def run_role(role: str, rank: int, member: Member, model_path: str) -> None:
     member.done.wait()
 
 
+def check_flags(args: ServerArgs, model_path: str, fd: int) -> None:
+    """``tidal serve``'s start-up memory check (``executor.memory.fit.check_fits``), run in the first executor it
+    starts, which imports torch and the model code anyway: ``{"plan": ..., "device": ...}`` or ``{"error": ...}``
+    (the ``ArgsError``'s line) written to ``fd`` as JSON."""
+    from ..config.model import ModelConfig
+    from ..executor.memory.fit import check_fits
+
+    try:
+        device = args.resolved_device()
+        config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
+        reply = {"plan": check_fits(args, config, device), "device": device}
+    except ArgsError as e:
+        reply = {"error": str(e)}
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps(reply).encode())
+
+
 def main(argv: list[str]) -> int:
     role = argv[0]
     rank = int(argv[1]) if len(argv) > 1 else 0
@@ -79,8 +97,15 @@ def main(argv: list[str]) -> int:
         return 2
     if os.environ.get("TIDAL_ARGS_ON_STDIN"):
         # Started while `serve` checks the flags: import what the role runs meanwhile, then wait for the
-        # arguments; an empty stdin means `serve` refused to start (it said why).
+        # arguments; an empty stdin means `serve` refused to start (it said why). The executor given a
+        # TIDAL_CHECK_FD first gets the flags to check, one line.
         importlib.import_module(ENTRY[role][0])
+        check_fd = os.environ.pop("TIDAL_CHECK_FD", None)
+        if check_fd is not None:
+            request = sys.stdin.buffer.readline()
+            if not request:
+                return 0
+            check_flags(ServerArgs.from_json(request), os.environ["TIDAL_MODEL_PATH"], int(check_fd))
         data = sys.stdin.buffer.read()
         if not data:
             return 0

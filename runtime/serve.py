@@ -15,6 +15,7 @@ Either way it returns after every child is gone and the run directory is removed
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -62,6 +63,8 @@ class Mesh:
     def __init__(self, args: ServerArgs, model_path: str):
         self.args, self.model_path = args, model_path
         self.procs: dict[str, subprocess.Popen] = {}
+        self.checker: str | None = None  # the executor that runs the start-up memory check (:meth:`check`)
+        self.check_fd: int | None = None  # the read end of the pipe its answer comes on
 
     def roles(self) -> list[Role]:
         """This host's processes: its executors, and on host 0 the frontend, scheduler and detokenizer."""
@@ -75,14 +78,40 @@ class Mesh:
 
     def prestart(self) -> None:
         """Start this host's executors before the flags are checked: each imports what it runs (torch, the
-        model code: the longest part of a start) while this process checks, then reads its arguments on
-        stdin (:meth:`start` sends them) and only then does anything else; :meth:`cancel` ends them
-        unseen."""
+        model code: the longest part of a start), then reads its arguments on stdin (:meth:`start` sends
+        them) and only then does anything else; :meth:`cancel` ends them unseen. The first of them also
+        runs the memory check (:meth:`check`), so that this process need not import torch."""
         env = dict(os.environ, TIDAL_MODEL_PATH=self.model_path, TIDAL_ARGS_ON_STDIN="1")
         for role, rank in self.roles():
-            if role == "executor":
-                self.procs[f"{role}-{rank}"] = subprocess.Popen(self._command(role, rank), env=env,
-                                                                stdin=subprocess.PIPE)
+            if role != "executor":
+                continue
+            name = f"{role}-{rank}"
+            if self.checker is None:
+                self.checker = name
+                self.check_fd, write = os.pipe()
+                self.procs[name] = subprocess.Popen(self._command(role, rank), env=dict(env, TIDAL_CHECK_FD=str(write)),
+                                                    stdin=subprocess.PIPE, pass_fds=(write,))
+                os.close(write)
+            else:
+                self.procs[name] = subprocess.Popen(self._command(role, rank), env=env, stdin=subprocess.PIPE)
+
+    def check(self) -> dict:
+        """The start-up memory check of the flags (``executor.memory.fit.check_fits``), run by the executor
+        :meth:`prestart` started first once it has imported torch: ``{"plan": ..., "device": ...}`` (the load
+        plan, the resolved device), ``{"error": ...}`` (the ``ArgsError``'s line), or ``{"failed": ...}``
+        when that process ended without an answer."""
+        proc = self.procs[self.checker]
+        with contextlib.suppress(OSError):  # one that died says so below
+            proc.stdin.write(self.args.to_json() + b"\n")
+            proc.stdin.flush()
+        chunks = []
+        while chunk := os.read(self.check_fd, 65536):
+            chunks.append(chunk)
+        os.close(self.check_fd)
+        self.check_fd = None
+        if chunks:
+            return json.loads(b"".join(chunks))
+        return {"failed": f"{self.checker} {exit_reason(proc.wait())} before it checked the flags"}
 
     @staticmethod
     def _awaits_args(proc: subprocess.Popen) -> bool:
@@ -91,6 +120,9 @@ class Mesh:
 
     def cancel(self) -> None:
         """End the processes :meth:`prestart` started, before they have done anything but import."""
+        if self.check_fd is not None:
+            os.close(self.check_fd)
+            self.check_fd = None
         for name, proc in list(self.procs.items()):
             if self._awaits_args(proc):
                 proc.terminate()  # its SIGTERM handler exits at once, mid-import too
@@ -185,9 +217,20 @@ def port_free(host: str, port: int) -> bool:
 GiB = 1 << 30
 
 
-def host_memory_text() -> str:
-    from ..executor.memory.fit import host_memory
+def host_memory(field: str) -> int | None:
+    """A ``/proc/meminfo`` figure in bytes, or None where there is none (read here, not with
+    ``executor.memory.fit.host_memory``, whose module imports torch)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
+
+def host_memory_text() -> str:
     total, available = host_memory("MemTotal"), host_memory("MemAvailable")
     if total is None or available is None:
         return "the host's memory is unknown"
@@ -237,21 +280,19 @@ def serve(args: ServerArgs) -> int:
                     "noise)", model_path)
         args = args.replace(served_model_name=args.served_model_name or "tidal-demo")
     from ..config.model import ConfigError, ModelConfig
-    from ..executor.memory.fit import check_fits
 
     try:
-        config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
+        ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
     except ConfigError as e:
         logger.error("%s", e)
         return 2
     mesh = Mesh(args, model_path)
     mesh.prestart()
-    try:
-        plan = check_fits(args, config, args.resolved_device())
-    except ArgsError as e:
+    checked = mesh.check()
+    if "plan" not in checked:
         mesh.cancel()
-        logger.error("%s", e)
-        return 2
+        logger.error("%s", checked.get("error") or checked["failed"])
+        return 2 if "error" in checked else 1
     if args.node_rank == 0 and not port_free(args.host, args.port):
         mesh.cancel()
         logger.error("--port %d: %s:%d is already in use (pick another port)", args.port, args.host, args.port)
@@ -273,7 +314,7 @@ def serve(args: ServerArgs) -> int:
             supervisor.signals += 1
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    explain = load_plan_explainer(plan, args.resolved_device(), host_memory_text())
+    explain = load_plan_explainer(checked["plan"], checked["device"], host_memory_text())
     try:
         mesh.start()
         if supervisor is None:

@@ -180,12 +180,14 @@ def test_executor_killed_while_loading_names_the_signal_and_its_memory(tiny_chec
                              str(free_port())], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TIDAL_FAULTS": "executor.load.hang"})
     try:
+        # The frontend starts once the flags are checked, just before the executor gets its arguments.
         deadline = time.monotonic() + 60
-        executor = []
-        while not executor and time.monotonic() < deadline:
-            executor = [p for p in child_pids(proc.pid) if cmdline(p) == "tidal-executor-0"]
+        names: dict[int, str] = {}
+        while "tidal-frontend" not in names.values() and time.monotonic() < deadline:
+            names = {p: cmdline(p) for p in child_pids(proc.pid)}
             time.sleep(0.2)
-        assert executor, "no executor started"
+        executor = [p for p, name in names.items() if name == "tidal-executor-0"]
+        assert executor, f"no executor started: {names}"
         time.sleep(2)  # it has its arguments and hangs where it would load
         os.kill(executor[0], signal.SIGKILL)
         assert proc.wait(30) == 1
