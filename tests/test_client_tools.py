@@ -76,15 +76,18 @@ def test_auto_tokenizer_gives_tidal_s_ids(tmp_path):
 
 def test_guidellm_at_concurrency_1_and_4(served, tmp_path, tiny_checkpoint):
     srv, tap = served
-    for streams, requests in ((1, 3), (4, 8)):
-        out = tmp_path / f"guidellm-{streams}.json"
-        run_tool([os.path.join(BIN, "guidellm"), "run", "--backend", f"kind=openai_http,target={srv.url}",
-                  "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=6",
-                  "--profile", f"kind=concurrent,streams={streams}",
-                  "--constraint", f"kind=max_requests,count={requests}",
-                  "--tokenizer", f"kind=huggingface_auto,model={tiny_checkpoint}", "--output", f"kind=json,path={out}",
-                  "--disable-console-interactive"], tmp_path)
-        [bench] = json.loads(out.read_text())["benchmarks"]
+    requests = 8
+    out = tmp_path / "guidellm.json"
+    # One run of guidellm, a benchmark at each concurrency.
+    run_tool([os.path.join(BIN, "guidellm"), "run", "--backend", f"kind=openai_http,target={srv.url}",
+              "--data", "kind=synthetic_text,prompt_tokens=24,output_tokens=6",
+              "--profile", "kind=concurrent", "--override", "profile.streams", "1,4",
+              "--constraint", f"kind=max_requests,count={requests}",
+              "--tokenizer", f"kind=huggingface_auto,model={tiny_checkpoint}", "--output", f"kind=json,path={out}",
+              "--disable-console-interactive"], tmp_path)
+    benches = json.loads(out.read_text())["benchmarks"]
+    assert [b["config"]["strategy"]["streams"] for b in benches] == [1, 4]
+    for bench in benches:
         reqs = bench["requests"]
         assert reqs["errored"] == [] and reqs["incomplete"] == [], (reqs["errored"][:1], reqs["incomplete"][:1])
         # guidellm may close a max_requests benchmark with its last request still in flight (its scheduler state
