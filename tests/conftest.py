@@ -160,10 +160,11 @@ def hf_checkpoints(tmp_path_factory) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_checkpoint):
-    """A ``tidal serve`` of the tiny checkpoint without an API key, one per test module (a module may
-    define its own ``server`` instead)."""
+    """A ``tidal serve`` of the tiny checkpoint without an API key, shared by the test modules that one pytest
+    process runs (a module may define its own ``server`` instead): their tests leave it idle and serving, and
+    read its counters as differences or bounds."""
     from server_harness import Server
 
     srv = Server(tiny_checkpoint, api_key=None)

@@ -18,7 +18,6 @@ import sys
 
 import pytest
 import torch
-from server_harness import Server, Tap
 
 BIN = os.path.dirname(sys.executable)
 TOOL_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -31,14 +30,8 @@ MAX_GEN = 6
 
 
 @pytest.fixture(scope="module")
-def served(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, api_key=None)
-    tap = Tap(srv.tap_addr)
-    try:
-        yield srv, tap
-    finally:
-        tap.close()
-        assert srv.stop() == []
+def served(server, tap):
+    return server, tap
 
 
 def run_tool(cmd: list[str], cwd, timeout: float = 300) -> subprocess.CompletedProcess:
