@@ -376,25 +376,30 @@ def test_bad_flag_values_name_the_flag(tiny_checkpoint):
         assert out.returncode == 2 and needle in out.stderr
 
 
-def test_a_request_refused_by_the_scheduler_counts_once(tiny_checkpoint):
+@pytest.fixture(scope="module")
+def small(tiny_checkpoint):
+    """A server with a 1024-token KV pool and 5 tokens for a request without ``max_tokens``."""
+    srv = Server(tiny_checkpoint, "--kv-pool-tokens", "1024", "--default-max-tokens", "5", api_key=None)
+    yield srv
+    assert srv.stop() == []
+
+
+def test_a_request_refused_by_the_scheduler_counts_once(small):
     """More KV pages than the pool holds: a 400 with the scheduler's words, counted as rejected only.
     (Completions check this in the frontend, before anything streams; chat requests meet the scheduler.)"""
-    srv = Server(tiny_checkpoint, "--kv-pool-tokens", "1024", api_key=None)
-    try:
-        start = srv.metrics()
-        status, body = srv.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2000,
-                                                         "messages": [{"role": "user", "content": "hi " * 20}]})
-        assert status == 400 and "KV pages" in body["error"]["message"], body
-        status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": list(range(1, 101)),
-                                                    "max_tokens": 2000})
-        assert status == 400 and body["error"]["param"] == "max_tokens", body
-        m = srv.metrics()
-        assert m["tidal_requests_rejected_total"] == start["tidal_requests_rejected_total"] + 2
-        for reason in ("error", "abort"):
-            key = f'tidal_requests_total{{finish_reason="{reason}"}}'
-            assert m.get(key, 0) == start.get(key, 0), key
-    finally:
-        assert srv.stop() == []
+    srv = small
+    start = srv.metrics()
+    status, body = srv.post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2000,
+                                                     "messages": [{"role": "user", "content": "hi " * 20}]})
+    assert status == 400 and "KV pages" in body["error"]["message"], body
+    status, body = srv.post("/v1/completions", {"model": "tiny", "prompt": list(range(1, 101)),
+                                                "max_tokens": 2000})
+    assert status == 400 and body["error"]["param"] == "max_tokens", body
+    m = srv.metrics()
+    assert m["tidal_requests_rejected_total"] == start["tidal_requests_rejected_total"] + 2
+    for reason in ("error", "abort"):
+        key = f'tidal_requests_total{{finish_reason="{reason}"}}'
+        assert m.get(key, 0) == start.get(key, 0), key
 
 
 def test_at_capacity_requests_get_503_with_retry_after(tiny_checkpoint):
@@ -439,13 +444,8 @@ def test_at_capacity_requests_get_503_with_retry_after(tiny_checkpoint):
         assert srv.stop() == []
 
 
-def test_chat_without_max_tokens_takes_the_documented_default(tiny_checkpoint):
-    srv = Server(tiny_checkpoint, "--default-max-tokens", "5", api_key=None)
-    try:
-        status, body = srv.post("/v1/chat/completions", {
-            "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0,
-            "ignore_eos": True})
-        assert status == 200, body
-        assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
-    finally:
-        assert srv.stop() == []
+def test_chat_without_max_tokens_takes_the_documented_default(small):
+    status, body = small.post("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 5 and body["choices"][0]["finish_reason"] == "length"
