@@ -24,8 +24,8 @@ if DEVICE.startswith("cuda"):
 
 # The longest files go first, longest first: `make test` runs two pytest-xdist workers that take a file at a
 # time, in collection order, so a long file started last would leave one worker running it alone at the end.
-FIRST = ("test_docker.py", "test_tensor_parallel.py", "test_bench_scripts.py", "test_faults.py", "test_client_tools.py",
-         "test_quantized.py", "test_server.py", "test_load.py", "test_kernel_attention.py")
+FIRST = ("test_docker.py", "test_bench_scripts.py", "test_tensor_parallel.py", "test_faults.py", "test_quantized.py",
+         "test_kernel_attention.py", "test_client_tools.py", "test_load.py", "test_server.py")
 
 
 def pytest_configure(config):
