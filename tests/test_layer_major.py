@@ -7,6 +7,7 @@ and a fresh model scoring the same tokens.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import contextmanager
 
 import aiohttp
@@ -315,11 +316,16 @@ def test_abort_during_layer_major_prefill_leaks_nothing(tiny_checkpoint):
     try:
         long_prompt = ids(12000, 21)
 
+        def admitted() -> list[dict]:
+            return [x for x in tap.lines if x["type"] == "PromptAdmitted" and x["prompt_tokens"] == 12000]
+
         async def fire_and_drop():
             async with aiohttp.ClientSession() as s:
                 task = asyncio.ensure_future(s.post(srv.url + "/v1/completions", json={
                     "model": "tiny", "prompt": long_prompt, "max_tokens": 4, "temperature": 0}))
-                await asyncio.sleep(0.6)  # admitted, the layer-major turn under way
+                deadline = time.monotonic() + 60
+                while not admitted() and time.monotonic() < deadline:  # then the layer-major turn is under way
+                    await asyncio.sleep(0.01)
                 task.cancel()
                 try:
                     await task
@@ -327,9 +333,9 @@ def test_abort_during_layer_major_prefill_leaks_nothing(tiny_checkpoint):
                     pass
         asyncio.run(fire_and_drop())
         m = srv.wait_idle(timeout=60)
-        admitted = [x for x in tap.lines if x["type"] == "PromptAdmitted" and x["prompt_tokens"] == 12000]
-        assert admitted and admitted[-1]["plan"]["mode"] == "layer_major"
-        _, token_ids, final = tap.wait_finished(admitted[-1]["rid"])
+        seen = admitted()
+        assert seen and seen[-1]["plan"]["mode"] == "layer_major"
+        _, token_ids, final = tap.wait_finished(seen[-1]["rid"])
         assert final["finish_reason"] == "abort" and token_ids == []
         assert m["tidal_kv_pages_in_use"] == 0 and m["tidal_state_slots_in_use"] == 0
         assert m["tidal_requests_running"] == 0
