@@ -98,8 +98,19 @@ def image_processor(args: ServerArgs, config: ModelConfig, model_path: str, toke
 
 
 class Frontend:
+    """The HTTP API of one server. Built in two steps, so that the port answers (503, ``starting``) while the
+    tokenizer loads: the constructor sets up what ``/health`` and ``/metrics`` need, :meth:`load` the
+    tokenizer, the request limits and the parse pool."""
+
     def __init__(self, args: ServerArgs, model_path: str):
-        self.args = args
+        self.args, self.model_path = args, model_path
+        self.metrics = Metrics()
+        self.client = EngineClient(args.scheduler_addr, args.bind_addr(args.frontend_addr), self.metrics)
+        self.created = int(time.time())
+        self.loaded = False  # :meth:`load` is done
+
+    def load(self) -> None:
+        args, model_path = self.args, self.model_path
         config = ModelConfig.from_file(model_path).with_quantization(args.quantization, args.load_format)
         sizes = pool_sizes(args, config)
         self.tokenizer = load_tokenizer(model_path)
@@ -111,10 +122,8 @@ class Frontend:
                              images=image_processor(args, config, model_path, self.tokenizer))
         # The stored format of the weights, as /v1/models reports it (null: the checkpoint's float dtype).
         self.quantization = config.quantization.label if config.quantization is not None else None
-        self.metrics = Metrics()
         self.parser = ParsePool(model_path, self.limits, args.tokenizer_workers)
-        self.client = EngineClient(args.scheduler_addr, args.bind_addr(args.frontend_addr), self.metrics)
-        self.created = int(time.time())
+        self.loaded = True
 
     # ---- app --------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -173,6 +182,9 @@ class Frontend:
         return web.Response(text=self.metrics.render(), content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self.loaded:
+            raise APIError(503, "the server is not ready (starting); retry shortly", type_="service_unavailable",
+                           retry_after=1)
         return _json({"object": "list", "data": [{
             "id": self.limits.model_name, "object": "model", "created": self.created, "owned_by": "tidal",
             "max_model_len": self.limits.max_model_len, "quantization": self.quantization}]})
@@ -494,11 +506,12 @@ async def serve_frontend(args: ServerArgs, model_path: str) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
+    logger.info("listening on http://%s:%d (503 until every process is ready)", args.host, args.port)
+    await asyncio.to_thread(frontend.load)
     ctx = zmq.Context()
     control = Push(ctx, args.control_addr)
     frontend.client.on_drained = lambda: control.send(Drained())
     control.send(Ready(role="frontend"))
-    logger.info("listening on http://%s:%d", args.host, args.port)
     await asyncio.Event().wait()
 
 

@@ -2,7 +2,7 @@
 starts its processes; ``tidal run ROLE`` runs a role through :func:`run` too).
 
 The server arguments arrive as JSON in ``TIDAL_SERVER_ARGS`` (or, with ``TIDAL_ARGS_ON_STDIN`` set, on stdin
-once the role's modules are imported: ``tidal serve`` starts its executors so while it checks the flags) and
+once the role's modules are imported: ``tidal serve`` starts its processes so while it checks the flags) and
 the checkpoint path in ``TIDAL_MODEL_PATH``.
 """
 

@@ -77,16 +77,15 @@ class Mesh:
         return [sys.executable, "-m", "tidal.runtime.roles", role] + ([str(rank)] if rank is not None else [])
 
     def prestart(self) -> None:
-        """Start this host's executors before the flags are checked: each imports what it runs (torch, the
-        model code: the longest part of a start), then reads its arguments on stdin (:meth:`start` sends
-        them) and only then does anything else; :meth:`cancel` ends them unseen. The first of them also
-        runs the memory check (:meth:`check`), so that this process need not import torch."""
+        """Start this host's processes before the flags are checked: each imports what it runs (torch and the
+        model code for an executor, the HTTP stack for the frontend: the longest part of a start), then reads
+        its arguments on stdin (:meth:`start` sends them) and only then does anything else; :meth:`cancel`
+        ends them unseen. The first executor also runs the memory check (:meth:`check`), so that this process
+        need not import torch; the frontend, imported meanwhile, answers (503) soon after the check."""
         env = dict(os.environ, TIDAL_MODEL_PATH=self.model_path, TIDAL_ARGS_ON_STDIN="1")
         for role, rank in self.roles():
-            if role != "executor":
-                continue
-            name = f"{role}-{rank}"
-            if self.checker is None:
+            name = role if rank is None else f"{role}-{rank}"
+            if role == "executor" and self.checker is None:
                 self.checker = name
                 self.check_fd, write = os.pipe()
                 self.procs[name] = subprocess.Popen(self._command(role, rank), env=dict(env, TIDAL_CHECK_FD=str(write)),

@@ -170,22 +170,28 @@ def test_killed_process_fails_requests_and_mesh_restarts(restarting, victim):
 def test_executor_killed_while_loading_names_the_signal_and_its_memory(tiny_checkpoint, tmp_path):
     """A SIGKILL before ready (what the kernel's out-of-memory killer does to an executor whose weights outgrow
     the host): ``tidal serve`` exits 1 and says which process, which signal, and the memory its load plan needed."""
+    import socket
     import subprocess
     import sys
 
     from server_harness import free_port
 
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", "--model", tiny_checkpoint, "--port",
-                             str(free_port())], stdout=log, stderr=subprocess.STDOUT,
+                             str(port)], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "TIDAL_FAULTS": "executor.load.hang"})
     try:
-        # The frontend starts once the flags are checked, just before the executor gets its arguments.
+        # The frontend listens once the flags are checked, as the executor gets its arguments.
         deadline = time.monotonic() + 60
-        names: dict[int, str] = {}
-        while "tidal-frontend" not in names.values() and time.monotonic() < deadline:
-            names = {p: cmdline(p) for p in child_pids(proc.pid)}
-            time.sleep(0.2)
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, open(tmp_path / "serve.log").read()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        names = {p: cmdline(p) for p in child_pids(proc.pid)}
         executor = [p for p, name in names.items() if name == "tidal-executor-0"]
         assert executor, f"no executor started: {names}"
         time.sleep(2)  # it has its arguments and hangs where it would load

@@ -20,6 +20,7 @@ def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
     """The TTFT metric starts when the request arrives, before its (here slow) parsing and tokenizing."""
     args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
     frontend = Frontend(args, tiny_checkpoint)
+    frontend.load()
     parse = frontend.parser.parse
 
     async def slow_parse(raw, chat):
@@ -51,3 +52,24 @@ def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
     frontend.parser.close()
     assert frontend.metrics.ttft.sum >= PARSE_SECONDS
     assert frontend.metrics.ttft.sum <= elapsed
+
+
+def test_answers_503_before_the_tokenizer_is_loaded(tiny_checkpoint, tmp_path):
+    """The port answers while the frontend loads its tokenizer: every API path says the server is starting."""
+    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
+    frontend = Frontend(args, tiny_checkpoint)
+
+    async def go():
+        frontend.client.start()
+        async with TestClient(TestServer(frontend.app())) as client:
+            health = await client.get("/health")
+            assert health.status == 503 and (await health.json()) == {"status": "unavailable", "reason": "starting"}
+            for method, path in (("get", "/v1/models"), ("post", "/v1/completions")):
+                response = await getattr(client, method)(path, json={"model": "tiny", "prompt": "x"})
+                body = await response.json()
+                assert response.status == 503 and response.headers["Retry-After"] == "1", (path, body)
+                assert body["error"]["type"] == "service_unavailable" and "starting" in body["error"]["message"]
+            assert (await client.get("/metrics")).status == 200
+
+    asyncio.run(go())
+    assert not frontend.loaded
