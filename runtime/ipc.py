@@ -178,6 +178,18 @@ def set_process_name(name: str) -> None:
         pass
 
 
+def host_memory(field: str = "MemTotal") -> int | None:
+    """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this process when its parent (``tidal serve``) dies."""
     if not sys.platform.startswith("linux"):

@@ -29,7 +29,7 @@ import zmq
 
 from ..config.server_args import ArgsError, ServerArgs
 from .demo import checkpoint_path
-from .ipc import set_process_name, setup_logging
+from .ipc import host_memory, set_process_name, setup_logging
 from .supervisor import Supervisor, exit_reason, mesh_members
 
 logger = logging.getLogger(__name__)
@@ -214,19 +214,6 @@ def port_free(host: str, port: int) -> bool:
 
 
 GiB = 1 << 30
-
-
-def host_memory(field: str) -> int | None:
-    """A ``/proc/meminfo`` figure in bytes, or None where there is none (read here, not with
-    ``executor.memory.fit.host_memory``, whose module imports torch)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def host_memory_text() -> str:

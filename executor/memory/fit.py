@@ -9,6 +9,7 @@ import torch
 from ...config.model import ModelConfig
 from ...config.pools import pool_sizes
 from ...config.server_args import ArgsError, ServerArgs
+from ...runtime.ipc import host_memory
 from ..loader import host_resident, resolve_dtype, stored_dtype
 from ..models.qwen4_exp import Qwen4ExpForCausalLM
 from .kv_cache import KVPool
@@ -47,18 +48,6 @@ def memory_plan(args: ServerArgs, config: ModelConfig, device: str) -> dict[str,
 # staging of the tensors being loaded) and once for the frontend, scheduler, detokenizer and tokenizer workers.
 HOST_PER_RANK = 3 * GiB
 HOST_MESH = 2 * GiB
-
-
-def host_memory(field: str = "MemTotal") -> int | None:
-    """A ``/proc/meminfo`` figure in bytes (``MemTotal``, ``MemAvailable``), or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def host_memory_total() -> int | None:
