@@ -172,7 +172,7 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
             try:
                 ms = timed(functools.partial(moe_decode_triton.moe_gemv, x, ids, weights, gu, dn, None, cfg), True)
             except Exception as e:  # out of shared memory or registers for this config
-                print(f"T={tokens} gemv {label} {a} {b}: {type(e).__name__}", flush=True)
+                print(f"T={tokens} gemv {label} {a} {b}: {type(e).__name__} {str(e)[-400:]}", flush=True)
                 continue
             print(f"T={tokens} gemv {label} {a} {b}: {ms * 1e3:7.1f} us, {distinct * nbytes / ms / 1e6:6.0f} GB/s "
                   f"of distinct experts", flush=True)
