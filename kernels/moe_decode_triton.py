@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .moe_nvfp4_triton import FP4_UNSCALE, fp4_interleaved, fp4_pairs, fp4_scales, use_asm
+from .moe_nvfp4_triton import FP4_UNSCALE, fp4_interleaved, fp4_pairs, use_asm
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 from .quant import NVFP4_GROUP, Nvfp4
 
@@ -94,14 +94,11 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """``block_n`` output columns a program; ``block_k`` the reduction tile. ``experts``: one program per distinct
-    expert (and column block) with every token of the batch as the rows of a tensor-core MMA (see
-    :func:`moe_gemv`), rather than one program per (token, expert) assignment."""
+    """``block_n`` output columns a program; ``block_k`` the reduction tile."""
 
     block_n: int
     block_k: int
     num_warps: int
-    experts: bool = False
 
 
 # (largest token count, gate_up config, down config), first match wins. Chosen on the H200 at the bench
@@ -117,20 +114,11 @@ CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
 )
 
 
-# The same for NVFP4 routed experts: expert-tiled programs at every batch size (each distinct expert's packed
-# weights streamed once, decoded to bf16 in registers and fed to the tensor cores).
-FP4_CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
-    (1 << 62, GemvConfig(16, 512, 4, True), GemvConfig(64, 128, 4, True)),
-)
-
-
-def pick_config(tokens: int, fp4: bool = False) -> tuple[GemvConfig, GemvConfig]:
-    """The (gate_up, down) configs of :data:`CONFIGS` (or :data:`FP4_CONFIGS` for NVFP4 experts) for ``tokens``."""
-    table = FP4_CONFIGS if fp4 else CONFIGS
-    for limit, gate_up, down in table:
+def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
+    for limit, gate_up, down in CONFIGS:
         if tokens <= limit:
             return gate_up, down
-    return table[-1][1], table[-1][2]
+    return CONFIGS[-1][1], CONFIGS[-1][2]
 
 
 @triton.jit
@@ -305,235 +293,6 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
     tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-@triton.jit
-def fp4_bf16_asm(b, s):
-    """Packed bytes ``b`` (uint8) and their bf16 scales ``s`` (the same shape) as bf16 ``code * scale``, exact:
-    ``(even values, odd values)``, four bytes at a time in PTX. An e2m1 code's sign, exponent and mantissa bits
-    moved to a bf16's sign, the low two bits of its exponent and the top bit of its mantissa are the code's value
-    times 2^-126 (code 1, exponent 0, a bf16 subnormal); one ``mul.rn.bf16x2`` by 2^126 restores it and one by the
-    scales scales two values (a code times an e4m3 scale has at most 6 significant bits and lies in [2^-10, 2688])."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 z, c, p0, p1, e0, e1, o0, o1, t;
-        mov.b32 z, 0;
-        mov.b32 c, 0x7E807E80;
-        prmt.b32 p0, $4, z, 0x4140;
-        prmt.b32 p1, $4, z, 0x4342;
-        and.b32 e0, p0, 0x00070007;
-        shl.b32 e0, e0, 6;
-        and.b32 t, p0, 0x00080008;
-        shl.b32 t, t, 12;
-        or.b32 e0, e0, t;
-        and.b32 e1, p1, 0x00070007;
-        shl.b32 e1, e1, 6;
-        and.b32 t, p1, 0x00080008;
-        shl.b32 t, t, 12;
-        or.b32 e1, e1, t;
-        and.b32 o0, p0, 0x00700070;
-        shl.b32 o0, o0, 2;
-        and.b32 t, p0, 0x00800080;
-        shl.b32 t, t, 8;
-        or.b32 o0, o0, t;
-        and.b32 o1, p1, 0x00700070;
-        shl.b32 o1, o1, 2;
-        and.b32 t, p1, 0x00800080;
-        shl.b32 t, t, 8;
-        or.b32 o1, o1, t;
-        mul.rn.bf16x2 e0, e0, c;
-        mul.rn.bf16x2 e1, e1, c;
-        mul.rn.bf16x2 o0, o0, c;
-        mul.rn.bf16x2 o1, o1, c;
-        mul.rn.bf16x2 $0, e0, $5;
-        mul.rn.bf16x2 $1, e1, $6;
-        mul.rn.bf16x2 $2, o0, $5;
-        mul.rn.bf16x2 $3, o1, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _fp4_pair_tile(q_ptr, s_ptr, rows, rmask, k0, n_red, DTYPE: tl.constexpr, ASM: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows ``rows`` (int64 row numbers of the stack, ``rmask`` the
-    real ones) as their exact ``code * scale`` in ``DTYPE`` (the global scale not applied): ``(even columns, odd
-    columns)``, each ``[BLOCK_N, BLOCK_K / 2]``. ``ASM``: decoded by :func:`fp4_bf16_asm` (``DTYPE`` bf16)."""
-    half = tl.arange(0, BLOCK_K // 2)
-    b = tl.load(q_ptr + rows[:, None] * (n_red // 2) + k0 // 2 + half[None, :],
-                mask=rmask[:, None] & (2 * half < n_red - k0)[None, :], other=0)
-    s = fp4_scales(s_ptr + rows[:, None] * (n_red // GROUP), rmask, k0, n_red, GROUP, BLOCK_K)
-    s = s.to(tl.float8e4nv, bitcast=True)
-    if ASM:
-        s = s.to(tl.bfloat16)
-    else:
-        s = s.to(tl.float32) * FP4_UNSCALE
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
-    if ASM:
-        even, odd = fp4_bf16_asm(b, s)
-    else:  # fp4_pairs' bits (2^-14 times the code) times the scale and 2^14, exact in fp32
-        b = b.to(tl.uint16)
-        even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True).to(tl.float32) * s
-        odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32) * s
-    return even.to(DTYPE), odd.to(DTYPE)
-
-
-@triton.jit
-def _mma(a, w, acc, IEEE: tl.constexpr):
-    """``acc + a @ w.T``; ``IEEE``: fp32 products in full precision (fp32 activations)."""
-    if IEEE:
-        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _fp4_mma(acc, a_rows, amask, q_ptr, s_ptr, rows, rmask, n_red, IEEE: tl.constexpr, ASM: tl.constexpr,
-             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc + A @ W.T`` over the whole reduction: ``A`` the rows at ``a_rows`` (``[T, 1]`` pointers, ``amask``),
-    ``W`` the NVFP4 rows ``rows`` without their global scale; the even and odd columns of each weight tile are two
-    MMAs against ``A``'s even and odd columns (no interleave in registers)."""
-    half = tl.arange(0, BLOCK_K // 2)
-    for k0 in range(0, n_red, BLOCK_K):
-        m = amask[:, None] & (2 * half < n_red - k0)[None, :]
-        a_even = tl.load(a_rows + k0 + 2 * half[None, :], mask=m, other=0.0)
-        a_odd = tl.load(a_rows + k0 + 1 + 2 * half[None, :], mask=m, other=0.0)
-        w_even, w_odd = _fp4_pair_tile(q_ptr, s_ptr, rows, rmask, k0, n_red, a_even.dtype, ASM, GROUP, BLOCK_N,
-                                       BLOCK_K)
-        acc = _mma(a_even, w_even, acc, IEEE)
-        acc = _mma(a_odd, w_odd, acc, IEEE)
-    return acc
-
-
-@triton.jit
-def _dense_mma(acc, a_rows, amask, w_rows, rmask, n_red, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc + A @ W.T`` over the whole reduction, ``W`` the dense rows at ``w_rows`` (``[N, 1]`` pointers)."""
-    ks = tl.arange(0, BLOCK_K)
-    for k0 in range(0, n_red, BLOCK_K):
-        kmask = ks < n_red - k0
-        a = tl.load(a_rows + k0 + ks[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_rows + k0 + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc = _mma(a, w, acc, IEEE)
-    return acc
-
-
-@triton.jit
-def _expert_rows(ids_ptr, a, tokens, TOP_K: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """Program ``a`` of an expert-tiled launch (``a = t * TOP_K + k`` an assignment, ``tokens * TOP_K`` the shared
-    expert): ``(its expert, whether it computes it, each token's slot)``. A routed expert is computed by the
-    program of its first assignment only; a token's slot is the ``k`` by which it routes to the expert (``TOP_K``
-    for the shared expert), -1 where it does not."""
-    tt = tl.arange(0, T_PAD)
-    kk = tl.arange(0, K_PAD)
-    routed = a < tokens * TOP_K
-    e = tl.load(ids_ptr + tl.minimum(a, tokens * TOP_K - 1))
-    flat = tt[:, None] * TOP_K + kk[None, :]
-    ids = tl.load(ids_ptr + flat, mask=(tt < tokens)[:, None] & (kk < TOP_K)[None, :], other=-1)
-    match = ids == e
-    first = tl.min(tl.min(tl.where(match, flat, 1 << 30), 1), 0)
-    slot = tl.where(routed, tl.max(tl.where(match, kk[None, :], -1), 1), tl.where(tt < tokens, TOP_K, -1))
-    return e.to(tl.int64), (first == a) | (a >= tokens * TOP_K), slot
-
-
-@triton.jit(do_not_specialize=["tokens"])  # one binary for all batch sizes of one T_PAD
-def _gate_up_experts_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
-                            hidden, inter, s_inter, act_width, sx_t, sgu_e, tokens,
-                            TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                            IEEE: tl.constexpr, GROUP: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """:func:`_gate_up_kernel`'s result with one program per distinct expert and column block: the batch's tokens
-    that route to the expert are the rows of MMAs against its weight tiles (each expert's weights read once)."""
-    pdl_wait(PDL)
-    pdl_launch_next(PDL)
-    a = tl.program_id(0)
-    e, mine, slot = _expert_rows(ids_ptr, a, tokens, TOP_K, T_PAD, K_PAD)
-    routed = a < tokens * TOP_K
-    n_out = tl.where(routed, inter, s_inter)
-    n0 = tl.program_id(1) * BLOCK_N
-    if (mine == 0) | (n0 >= n_out):
-        return
-    tt = tl.arange(0, T_PAD)
-    hit = slot >= 0
-    x_rows = x_ptr + tt.to(tl.int64)[:, None] * sx_t
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cmask = cols < n_out
-    acc_g = tl.zeros([T_PAD, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([T_PAD, BLOCK_N], tl.float32)
-    if FP4:  # routed experts in NVFP4 (gate rows, then up rows, a global scale each), the shared one dense
-        if routed:
-            g_rows = e * 2 * inter + cols
-            acc_g = _fp4_mma(acc_g, x_rows, hit, gu_ptr, gus_ptr, g_rows, cmask, hidden, IEEE, ASM, GROUP,
-                             BLOCK_N, BLOCK_K)
-            acc_u = _fp4_mma(acc_u, x_rows, hit, gu_ptr, gus_ptr, g_rows + inter, cmask, hidden, IEEE, ASM, GROUP,
-                             BLOCK_N, BLOCK_K)
-            acc_g *= tl.load(gus2_ptr + g_rows, mask=cmask, other=0.0)[None, :]
-            acc_u *= tl.load(gus2_ptr + g_rows + inter, mask=cmask, other=0.0)[None, :]
-        else:
-            s_rows = sgu_ptr + cols.to(tl.int64)[:, None] * hidden
-            acc_g = _dense_mma(acc_g, x_rows, hit, s_rows, cmask, hidden, IEEE, BLOCK_K)
-            acc_u = _dense_mma(acc_u, x_rows, hit, s_rows + s_inter * hidden, cmask, hidden, IEEE, BLOCK_K)
-    else:
-        w = sgu_ptr
-        if routed:
-            w = gu_ptr + e * sgu_e
-        g_rows = w + cols.to(tl.int64)[:, None] * hidden
-        acc_g = _dense_mma(acc_g, x_rows, hit, g_rows, cmask, hidden, IEEE, BLOCK_K)
-        acc_u = _dense_mma(acc_u, x_rows, hit, g_rows + n_out * hidden, cmask, hidden, IEEE, BLOCK_K)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    rows = (tt * (TOP_K + SHARED) + slot).to(tl.int64)
-    tl.store(act_ptr + rows[:, None] * act_width + cols[None, :], act.to(act_ptr.dtype.element_ty),
-             mask=hit[:, None] & cmask[None, :])
-
-
-@triton.jit(do_not_specialize=["tokens"])  # one binary for all batch sizes of one T_PAD
-def _down_experts_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, sgate_ptr, part_ptr,
-                         hidden, inter, s_inter, act_width, sx_t, sd_e, tokens,
-                         TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, ASM: tl.constexpr,
-                         IEEE: tl.constexpr, GROUP: tl.constexpr, T_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """:func:`_down_kernel`'s result with one program per distinct expert and column block (its assignments'
-    activations the rows of the MMAs); the expert ids are read before the wait for ``_gate_up_experts_kernel``."""
-    pdl_launch_next(PDL)
-    a = tl.program_id(0)
-    e, mine, slot = _expert_rows(ids_ptr, a, tokens, TOP_K, T_PAD, K_PAD)
-    if mine == 0:
-        return
-    routed = a < tokens * TOP_K
-    tt = tl.arange(0, T_PAD)
-    hit = slot >= 0
-    rows = (tt * (TOP_K + SHARED) + tl.maximum(slot, 0)).to(tl.int64)
-    a_rows = act_ptr + rows[:, None] * act_width
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
-    acc = tl.zeros([T_PAD, BLOCK_N], tl.float32)
-    pdl_wait(PDL)
-    if FP4:  # routed experts in NVFP4, the shared one dense
-        if routed:
-            w_rows = e * hidden + cols
-            acc = _fp4_mma(acc, a_rows, hit, down_ptr, ds_ptr, w_rows, cmask, inter, IEEE, ASM, GROUP, BLOCK_N,
-                           BLOCK_K)
-            acc *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0)[None, :]
-        else:
-            acc = _dense_mma(acc, a_rows, hit, sdown_ptr + cols.to(tl.int64)[:, None] * s_inter, cmask, s_inter,
-                             IEEE, BLOCK_K)
-    else:
-        w = sdown_ptr + cols.to(tl.int64)[:, None] * s_inter
-        n_red = s_inter
-        if routed:
-            w = down_ptr + e * sd_e + cols.to(tl.int64)[:, None] * inter
-            n_red = inter
-        acc = _dense_mma(acc, a_rows, hit, w, cmask, n_red, IEEE, BLOCK_K)
-    if a >= tokens * TOP_K:  # the shared expert's part times sigmoid(x . shared_gate), per token
-        ks = tl.arange(0, BLOCK_K)
-        gate = tl.zeros([T_PAD, BLOCK_K], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            kmask = ks < hidden - k0
-            xv = tl.load(x_ptr + tt.to(tl.int64)[:, None] * sx_t + k0 + ks[None, :],
-                         mask=hit[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            gate += xv * tl.load(sgate_ptr + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc = acc / (1.0 + tl.exp(-tl.sum(gate, 1)))[:, None]
-    tl.store(part_ptr + rows[:, None] * hidden + cols[None, :], acc, mask=hit[:, None] & cmask[None, :])
-
-
 # NVFP4 experts: each program's weight tile decoded in column order (the scale tile widened in registers), not as
 # even and odd columns with a scale load per byte.
 FP4_INTERLEAVE = True
@@ -555,14 +314,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     x's dtype, contiguous along their last dimension, or the routed experts as contiguous
     :class:`~tidal.kernels.quant.Nvfp4` stacks (each assignment then streams 4.5 bits a weight: packed codes and
     group scales decoded in registers, the row's global scale applied to its sum). ``configs`` overrides
-    :data:`CONFIGS` (:data:`FP4_CONFIGS`).
-
-    A token's ``K`` experts are distinct (as the router picks them). Per-assignment programs read an expert once
-    per token routed to it; expert-tiled ones (:attr:`GemvConfig.experts`) once per batch: the program of the
-    expert's first assignment gathers every token routed to it as a row of ``[T_PAD, BLOCK_K] x [BLOCK_K,
-    BLOCK_N]`` tensor-core MMAs (``T_PAD`` the batch padded to a power of two, at least 16), the other programs of
-    the expert return at once; NVFP4 tiles are decoded to exact ``code * scale`` in bf16 (:func:`fp4_bf16_asm`),
-    their even and odd columns two MMAs against the activations' even and odd columns.
+    :data:`CONFIGS`.
     """
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -597,34 +349,22 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         s_gate_up, s_down, s_gate, s_inter = x, x, x, 0  # not read
     per_token = top_k + (shared is not None)
     width = max(inter, s_inter)
-    cfg_a, cfg_b = configs or pick_config(tokens, fp4)
+    cfg_a, cfg_b = configs or pick_config(tokens)
     launch = pdl.launch_args(x)
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()
-    asm = fp4 and use_asm(FP4_ASM)
-    # Expert-tiled programs: the tokens as MMA rows (at least 16), weight tiles of at least 16 rows and columns.
-    t_pad, k_pad = max(16, triton.next_power_of_2(tokens)), triton.next_power_of_2(top_k)
-    common = dict(TOP_K=top_k, SHARED=shared is not None, FP4=fp4, GROUP=NVFP4_GROUP, **launch)
-    tiled = dict(tokens=tokens, ASM=asm and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32, T_PAD=t_pad, K_PAD=k_pad)
-    per_assignment = dict(INTERLEAVE=FP4_INTERLEAVE, ASM=asm)
-    for cfg in (cfg_a, cfg_b):
-        if cfg.experts and cfg.block_n < 16:
-            raise ValueError(f"an expert-tiled GEMV config needs block_n >= 16, not {cfg.block_n}")
-    block_k = min(cfg_a.block_k, triton.next_power_of_2(hidden))
-    (_gate_up_experts_kernel if cfg_a.experts else _gate_up_kernel)[
-        (tokens * per_token if not cfg_a.experts else tokens * top_k + (shared is not None),
-         triton.cdiv(width, cfg_a.block_n))](
+    _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gu, gus, gus2, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gu.stride(0),
-        **common, **(tiled if cfg_a.experts else per_assignment), BLOCK_N=cfg_a.block_n,
-        BLOCK_K=max(32, block_k) if cfg_a.experts else block_k, num_warps=cfg_a.num_warps)
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        GROUP=NVFP4_GROUP, BLOCK_N=cfg_a.block_n,
+        BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
-    block_k = min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16)))
-    (_down_experts_kernel if cfg_b.experts else _down_kernel)[
-        (tokens * per_token if not cfg_b.experts else tokens * top_k + (shared is not None),
-         triton.cdiv(hidden, cfg_b.block_n))](
+    _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, dn, ds, ds2, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), dn.stride(0),
-        **common, **(tiled if cfg_b.experts else per_assignment), BLOCK_N=cfg_b.block_n,
-        BLOCK_K=max(32, block_k) if cfg_b.experts else block_k, num_warps=cfg_b.num_warps)
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        GROUP=NVFP4_GROUP, BLOCK_N=cfg_b.block_n,
+        BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
+        num_warps=cfg_b.num_warps, **launch)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
         part, weights.contiguous(), out, hidden, out.stride(0), TOP_K=top_k, SHARED=shared is not None,

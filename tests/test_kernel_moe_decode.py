@@ -73,18 +73,15 @@ def test_route_kernel_breaks_ties_toward_the_lower_expert():
     assert torch.equal(weights[0, 0], weights[0, 1])
 
 
-@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_moe_gemv_equals_the_loop(tokens, with_shared):
     # A hidden size that no tile divides, and a shared intermediate size unlike the routed one.
     x, ids, w, gu, d, shared, _ = _case(tokens, 8, 3, 72, 32, 24 if with_shared else 32, DEV, torch.float32)
     shared = shared if with_shared else None
     ref = moe_ref(x, ids, w, gu, d, shared)
-    # Per-assignment programs, expert-tiled ones (17 tokens: 32 MMA rows), and one of each.
     for cfg in (None, (GemvConfig(16, 32, 4), GemvConfig(8, 16, 4)),
-                (GemvConfig(8, 64, 2), GemvConfig(16, 16, 2)),
-                (GemvConfig(16, 32, 4, True), GemvConfig(16, 64, 4, True)),
-                (GemvConfig(32, 64, 4, True), GemvConfig(8, 16, 4))):
+                (GemvConfig(8, 64, 2), GemvConfig(16, 16, 2))):
         out = moe_gemv(x, ids, w, gu, d, shared, configs=cfg)
         # fp32: only summation order differs.
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -107,16 +104,13 @@ def test_moe_gemv_shared_expert_wider_than_the_routed_ones():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 2, 8, 32, 64])
-@pytest.mark.parametrize("experts", [False, True])
-def test_moe_gemv_bf16_bench_shapes_gpu(tokens, experts):
+@pytest.mark.parametrize("tokens", [1, 2, 8, 32])
+def test_moe_gemv_bf16_bench_shapes_gpu(tokens):
     """bf16 at the bench shapes against the fp32 loop on the same bf16 inputs: within 1% of the output
-    norm (the kernel sums in fp32 and rounds once); per-assignment and expert-tiled programs."""
+    norm (the kernel sums in fp32 and rounds once)."""
     x, ids, w, gu, d, shared, _ = _case(tokens, 512, 10, 2048, 512, 512, "cuda", torch.bfloat16)
-    ids[~(ids[:, 1:] == 7).any(1), 0] = 7  # one expert in every token (a token's experts stay distinct)
     ref = moe_ref(x.float(), ids, w.float(), gu.float(), d.float(), tuple(t.float() for t in shared))
-    cfg = (GemvConfig(16, 512, 4, True), GemvConfig(64, 128, 4, True)) if experts else None
-    out = moe_gemv(x, ids, w, gu, d, shared, configs=cfg).float()
+    out = moe_gemv(x, ids, w, gu, d, shared).float()
     assert ((out - ref).norm() / ref.norm()).item() <= 1e-2
 
 

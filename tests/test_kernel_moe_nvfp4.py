@@ -150,10 +150,7 @@ def test_moe_gemv_reads_nvfp4_experts(with_shared, interleave, asm, monkeypatch)
     if with_shared:
         gate, up = (x @ s_gu.T).chunk(2, dim=-1)
         ref = ref + torch.sigmoid(x @ s_g.T) * ((torch.nn.functional.silu(gate) * up) @ s_d.T)
-    # The default (expert-tiled), per-assignment programs with a K tile past the reduction and small ones, and
-    # expert-tiled ones of other tiles.
-    for cfg in (None, (GemvConfig(2, 2048, 4), GemvConfig(32, 512, 4)), (GemvConfig(16, 32, 4), GemvConfig(8, 16, 4)),
-                (GemvConfig(16, 32, 4, True), GemvConfig(32, 64, 4, True))):
+    for cfg in (None, (GemvConfig(16, 32, 4), GemvConfig(8, 16, 4))):
         out = moe_gemv(x, ids, weights, gate_up, down, shared, configs=cfg)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
@@ -184,50 +181,19 @@ def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 32, 64])
+@pytest.mark.parametrize("tokens", [1, 8, 32])
 @pytest.mark.parametrize("hidden,inter", [(2048, 512), (2560, 640)])
-@pytest.mark.parametrize("experts", [True, False])
-def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens, hidden, inter, experts):
-    """The decode GEMVs over NVFP4 experts at the bench and flash-next shapes, bf16, expert-tiled and
-    per-assignment, against the grouped path's reference over the dequantized experts; expert 0 in every token."""
+def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens, hidden, inter):
+    """The decode GEMVs over NVFP4 experts at the bench and flash-next shapes, bf16, against the grouped path's
+    reference over the dequantized experts."""
     from tidal.kernels.moe import fused_experts
-    from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv
+    from tidal.kernels.moe_decode_triton import moe_gemv
 
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
-    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(511, generator=g)[:9]])
-                       for _ in range(tokens)]).to(DEV)
+    ids = torch.stack([torch.randperm(512, generator=g)[:10] for _ in range(tokens)]).to(DEV)
     weights = torch.softmax(torch.randn(tokens, 10, generator=g), -1).to(DEV, torch.bfloat16)
     gate_up, down = quantized(512, 2 * inter, hidden, 0, parts=2), quantized(512, hidden, inter, 1)
-    cfg = None if experts else (GemvConfig(2, 2048, 4), GemvConfig(32, 512, 4))
-    out = moe_gemv(x, ids, weights, gate_up, down, configs=cfg)
+    out = moe_gemv(x, ids, weights, gate_up, down)
     ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
     assert _rel(out, ref) < 2e-2
-
-
-@pytest.mark.gpu
-def test_fp4_bf16_decode_is_exact_gpu():
-    """Every byte (both codes, the subnormal 0.5 included) under e4m3 scales across their range, decoded by PTX
-    to bf16, equals ``code * scale`` computed in fp32 from the dequantizer's table."""
-    import triton
-    import triton.language as tl
-
-    from tidal.kernels.moe_decode_triton import fp4_bf16_asm
-    from tidal.kernels.quant import e2m1_values, unpack_nibbles
-
-    @triton.jit
-    def decode(q_ptr, s_ptr, even_ptr, odd_ptr, N: tl.constexpr):
-        i = tl.arange(0, N)
-        b = tl.load(q_ptr + i)
-        s = tl.load(s_ptr + i).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-        even, odd = fp4_bf16_asm(b, s)
-        tl.store(even_ptr + i, even)
-        tl.store(odd_ptr + i, odd)
-
-    scales = torch.tensor([2.0 ** -9, 2.0 ** -6 * 1.875, 0.0625, 1.0, 1.125, 3.5, 240.0, 448.0])
-    q = torch.arange(256, dtype=torch.uint8).repeat(len(scales))
-    s = scales.to(torch.float8_e4m3fn).repeat_interleave(256)
-    even, odd = (torch.empty(q.numel(), dtype=torch.bfloat16, device=DEV) for _ in range(2))
-    decode[(1,)](q.to(DEV), s.view(torch.uint8).to(DEV), even, odd, N=q.numel())
-    ref = e2m1_values(unpack_nibbles(q.view(-1, 1))) * s.float()[:, None]  # [bytes, (low nibble, high nibble)]
-    assert torch.equal(even.float().cpu(), ref[:, 0]) and torch.equal(odd.float().cpu(), ref[:, 1])

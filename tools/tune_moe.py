@@ -92,11 +92,6 @@ GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 
                 ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8)),
                 # reduction tiles that divide flash-next's 2,560 and 640 (no masked remainder tile)
                 ((4, 512, 4), (16, 128, 4)), ((8, 256, 4), (32, 128, 4)), ((2, 512, 4), (8, 128, 4))]
-# Expert-tiled programs (moe_decode_triton.GemvConfig.experts: the batch's tokens as MMA rows).
-GEMV_EXPERT_CONFIGS = [((16, 512, 4, True), (64, 128, 4, True)), ((16, 256, 4, True), (32, 128, 4, True)),
-                       ((32, 512, 4, True), (128, 128, 4, True)), ((16, 512, 8, True), (64, 128, 8, True)),
-                       ((32, 256, 4, True), (64, 64, 4, True)), ((16, 1024, 4, True), (32, 256, 4, True)),
-                       ((16, 512, 4, True), (32, 512, 4))]
 
 
 def routing(tokens: int, experts: int, top_k: int, hidden: int, g: torch.Generator):
@@ -165,9 +160,7 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
               for decode, label in DECODES.items()))
     for label, (gu, dn), nbytes, (interleave, asm) in arms:
         moe_decode_triton.FP4_INTERLEAVE, moe_decode_triton.FP4_ASM = interleave, asm
-        # Expert-tiled programs decode by PTX or by Triton's operations (FP4_ASM); the interleave is theirs only.
-        configs = GEMV_CONFIGS + (GEMV_EXPERT_CONFIGS if interleave or label == "bf16" else [])
-        for a, b in configs:
+        for a, b in GEMV_CONFIGS:
             cfg = (moe_decode_triton.GemvConfig(*a), moe_decode_triton.GemvConfig(*b))
             try:
                 ms = timed(functools.partial(moe_decode_triton.moe_gemv, x, ids, weights, gu, dn, None, cfg), True)
