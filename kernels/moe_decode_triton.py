@@ -114,11 +114,26 @@ CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
 )
 
 
-def pick_config(tokens: int) -> tuple[GemvConfig, GemvConfig]:
-    for limit, gate_up, down in CONFIGS:
+# The same for NVFP4 routed experts, chosen at flash-next's shapes (hidden 2,560, intermediate 640, top-10, 512
+# experts) with tools/tune_moe.py --quantization nvfp4 --hidden 2560 --intermediate 640 (CUDA-graph timing, PTX
+# decode): reduction tiles that divide 2,560 and 640, so no masked remainder tile. The MoE without the shared expert
+# at 1 token: 31.1 us with 4 columns x 512 (gate_up) and 16 x 128 (down), against 39.5 us with the bf16 table's
+# configs; at 8 tokens 170.2 us with 8 x 256 and 32 x 128 (181.6 with the former, 269.8 with the bf16 table's); at 32
+# tokens 630.1 us (688.8, 763.3).
+FP4_CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
+    (4, GemvConfig(4, 512, 4), GemvConfig(16, 128, 4)),
+    (1 << 62, GemvConfig(8, 256, 4), GemvConfig(32, 128, 4)),
+)
+
+
+def pick_config(tokens: int, fp4: bool = False) -> tuple[GemvConfig, GemvConfig]:
+    """The (gate_up, down) configs for ``tokens`` tokens: :data:`FP4_CONFIGS` for NVFP4 experts, else
+    :data:`CONFIGS`."""
+    table = FP4_CONFIGS if fp4 else CONFIGS
+    for limit, gate_up, down in table:
         if tokens <= limit:
             return gate_up, down
-    return CONFIGS[-1][1], CONFIGS[-1][2]
+    return table[-1][1], table[-1][2]
 
 
 @triton.jit
@@ -314,7 +329,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     x's dtype, contiguous along their last dimension, or the routed experts as contiguous
     :class:`~tidal.kernels.quant.Nvfp4` stacks (each assignment then streams 4.5 bits a weight: packed codes and
     group scales decoded in registers, the row's global scale applied to its sum). ``configs`` overrides
-    :data:`CONFIGS`.
+    :data:`CONFIGS` (:data:`FP4_CONFIGS`).
     """
     tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -349,7 +364,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         s_gate_up, s_down, s_gate, s_inter = x, x, x, 0  # not read
     per_token = top_k + (shared is not None)
     width = max(inter, s_inter)
-    cfg_a, cfg_b = configs or pick_config(tokens)
+    cfg_a, cfg_b = configs or pick_config(tokens, fp4)
     launch = pdl.launch_args(x)
     act = torch.empty(tokens * per_token, width, dtype=x.dtype, device=x.device)
     ids = ids.contiguous()

@@ -73,13 +73,15 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
         assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
+        # bf16 activations: the PTX decode writes bf16 (fp4_bf16_asm), not fp16 values converted for the MMA.
+        assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == (asm and dtype == "bf16")
 
 
 def decode_gemvs(fp4: bool, interleave: bool, asm: bool, tokens: int) -> None:
     """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at the config row's tiles."""
     from tidal.kernels import moe_decode_triton
 
-    gate_up, down = moe_decode_triton.pick_config(tokens)
+    gate_up, down = moe_decode_triton.pick_config(tokens, fp4)
     common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16,
               "PDL": True}
     ints = dict.fromkeys(("hidden", "inter", "s_inter", "act_width", "sx_t"), "i32")
@@ -92,7 +94,7 @@ def decode_gemvs(fp4: bool, interleave: bool, asm: bool, tokens: int) -> None:
                      {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "down_ptr": routed, "ds_ptr": routed,
                       "ds2_ptr": "*fp32", "sdown_ptr": "*bf16", "sgate_ptr": "*bf16", "part_ptr": "*fp32", **ints,
                       "sd_e": "i64"},
-                     {**common, "BLOCK_N": down.block_n, "BLOCK_K": 512}, down.num_warps)
+                     {**common, "BLOCK_N": down.block_n, "BLOCK_K": down.block_k}, down.num_warps)
 
 
 def gather_rows() -> None:
