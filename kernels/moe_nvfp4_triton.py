@@ -6,7 +6,7 @@ The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uin
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
 (one global scale per row). A program copies a tile of packed bytes (by tensor descriptor, :data:`TMA`) and the
 scale byte of each group, decodes both in registers (:func:`fp4_tile`: ``code * scale`` is exact in fp16 and in
-bf16; by PTX straight to bf16 for bf16 activations) and feeds the activations' dtype to the tensor cores: the scale tile is widened to its bytes and each byte's
+bf16) and feeds the activations' dtype to the tensor cores: the scale tile is widened to its bytes and each byte's
 two values joined in column order (:data:`INTERLEAVE`), or the even and odd columns of the byte tile are two MMAs of
 half the K tile against the activations' even and odd columns (the reduction does not depend on the order of K).
 ``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded
@@ -50,9 +50,6 @@ GATHERED = True
 # Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
 # integer operations; never under Triton's interpreter, which runs no PTX.
 ASM = True
-# ... into bf16 for bf16 activations (:func:`fp4_bf16_asm`), the MMA's operand type, rather than into fp16 converted to
-# bf16 value by value.
-DECODE_BF16 = tl.constexpr(True)
 
 
 def use_asm(asm: bool | None) -> bool:
@@ -124,71 +121,15 @@ def fp4_asm(b, s):
         constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
-# 2^112: an e4m3 scale times this, in bf16, makes :func:`fp4_bf16_asm`'s values 2^-14 times their true size too.
-BF16_SCALE_SHIFT = tl.constexpr(2.0 ** 112)
-
-
 @triton.jit
-def fp4_bf16_asm(b, s):
-    """:func:`fp4_asm`'s values in bf16, for bf16 MMAs without a conversion: ``b`` uint8 bytes, ``s`` their scales
-    times 2^112 in bf16 (the same shape); ``(even values, odd values)`` as bf16 ``code * scale * 2^-14``. A code's
-    sign, exponent and mantissa bits moved to a bf16's sign, the low two bits of its exponent and the top bit of its
-    mantissa are the code's value times 2^-126 (code 1, exponent 0, a bf16 subnormal, which ``mul`` takes exactly);
-    one ``mul.rn.bf16x2`` by the shifted scales makes two values ``code * scale * 2^-14``: between 2^-24 and 0.17,
-    normal, with at most 6 significant bits, so exact."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 z, p0, p1, e0, e1, o0, o1, t;
-        mov.b32 z, 0;
-        prmt.b32 p0, $4, z, 0x4140;
-        prmt.b32 p1, $4, z, 0x4342;
-        and.b32 e0, p0, 0x00070007;
-        shl.b32 e0, e0, 6;
-        and.b32 t, p0, 0x00080008;
-        shl.b32 t, t, 12;
-        or.b32 e0, e0, t;
-        and.b32 e1, p1, 0x00070007;
-        shl.b32 e1, e1, 6;
-        and.b32 t, p1, 0x00080008;
-        shl.b32 t, t, 12;
-        or.b32 e1, e1, t;
-        and.b32 o0, p0, 0x00700070;
-        shl.b32 o0, o0, 2;
-        and.b32 t, p0, 0x00800080;
-        shl.b32 t, t, 8;
-        or.b32 o0, o0, t;
-        and.b32 o1, p1, 0x00700070;
-        shl.b32 o1, o1, 2;
-        and.b32 t, p1, 0x00800080;
-        shl.b32 t, t, 8;
-        or.b32 o1, o1, t;
-        mul.rn.bf16x2 $0, e0, $5;
-        mul.rn.bf16x2 $1, e1, $6;
-        mul.rn.bf16x2 $2, o0, $5;
-        mul.rn.bf16x2 $3, o1, $6;
-        }
-        """,
-        constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False,
-             DTYPE: tl.constexpr = tl.float16):
+def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     """A tile of packed bytes ``b`` (uint8 ``[BLOCK_N, BLOCK_K / 2]``) and its e4m3 scale bytes ``s`` (``[BLOCK_N,
-    BLOCK_K / GROUP]``) as ``code * scale * 2^-14`` in column order: the scales converted in hardware and widened to
-    the bytes in registers, each byte's even and odd values joined. ``ASM``: the codes decoded by PTX (CUDA only),
-    in bf16 by :func:`fp4_bf16_asm` where ``DTYPE`` is bf16 (the MMA's operand type), else in fp16 by
-    :func:`fp4_asm`; the values are fp16 otherwise."""
-    s = s.to(tl.float8e4nv, bitcast=True)
-    if ASM and DTYPE == tl.bfloat16:
-        s = (s.to(tl.float32) * BF16_SCALE_SHIFT).to(tl.bfloat16)  # exact: 4 significant bits, below 2^121
-    else:
-        s = s.to(tl.float16)
+    BLOCK_K / GROUP]``) as fp16 ``code * scale * 2^-14`` in column order: the scales converted in hardware and
+    widened to the bytes in registers, each byte's even and odd values joined. ``ASM``: the codes decoded by
+    :func:`fp4_asm` (CUDA only)."""
+    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
-    if ASM and DTYPE == tl.bfloat16:
-        even, odd = fp4_bf16_asm(b, s)
-    elif ASM:
+    if ASM:
         even, odd = fp4_asm(b, s)
     else:
         b = b.to(tl.uint16)
@@ -208,13 +149,13 @@ def fp4_scales(s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_K: tl.constex
 
 @triton.jit
 def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False, DTYPE: tl.constexpr = tl.float16):
+                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
     each row's packed bytes and scale bytes, ``rmask`` the real rows; ``kdim`` values a row) as :func:`fp4_tile`
     decodes them."""
     half = tl.arange(0, BLOCK_K // 2)
     b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :], other=0)
-    return fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM, DTYPE)
+    return fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
 
 
 @triton.jit
@@ -251,11 +192,9 @@ def _mma_interleaved(a, q_rows, s_rows, rmask, k0, kdim, acc, q_desc, desc_row, 
     from row ``desc_row`` on, zero past the stack (the scales by pointer)."""
     if TMA:
         b = q_desc.load([desc_row, k0 // 2])
-        w = fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM,
-                     a.dtype if DECODE_BF16 else tl.float16)
+        w = fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
     else:
-        w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM,
-                            a.dtype if DECODE_BF16 else tl.float16)
+        w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
     return _mma(a, tl.trans(w.to(a.dtype)), acc, IEEE)
 
 
