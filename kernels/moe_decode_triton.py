@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .moe_nvfp4_triton import FP4_UNSCALE, fp4_interleaved, fp4_pairs, use_asm
+from .moe_nvfp4_triton import FP4_UNSCALE, use_asm
 from .pdl_triton import pdl_enter, pdl_launch_next, pdl_wait
 from .quant import NVFP4_GROUP, Nvfp4
 
@@ -157,36 +157,89 @@ def _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def _fp4_rows(v_row, q_ptr, s_ptr, rows, cmask, n_red, INTERLEAVE: tl.constexpr, ASM: tl.constexpr,
-              GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def fp4_codes_asm(b):
+    """Packed bytes ``b`` (uint8) as fp16 ``code * 2^-14`` without their scale: ``(even values, odd values)``, four
+    bytes a register in PTX. A byte permute puts two bytes in the high halves of a register's 16-bit lanes; from
+    there the even code's magnitude is one place left of an fp16's low exponent bits and mantissa bit, its sign four
+    places right of the sign bit, and the odd code's magnitude three places left, its sign in place."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 z, r, t, u;
+        mov.b32 z, 0;
+        prmt.b32 r, $4, z, 0x1404;
+        shl.b32 t, r, 1;
+        shl.b32 u, r, 4;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, u, 0x80008000;
+        or.b32 $0, t, u;
+        shr.b32 t, r, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, r, 0x80008000;
+        or.b32 $2, t, u;
+        prmt.b32 r, $4, z, 0x3424;
+        shl.b32 t, r, 1;
+        shl.b32 u, r, 4;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, u, 0x80008000;
+        or.b32 $1, t, u;
+        shr.b32 t, r, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, r, 0x80008000;
+        or.b32 $3, t, u;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _fp4_dot(v_row, q_ptr, s_ptr, rows, rmask, n_red, ASM: tl.constexpr, PAIRS: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``n_red / 2``
-    packed bytes and ``n_red / 16`` scale bytes a row), without their global scale: 2^-14 times the sum (times
-    ``FP4_UNSCALE`` and the global scale, it is the rows' product). ``INTERLEAVE``: the weight tile decoded in
-    column order (``fp4_interleaved``); else its even and odd columns against ``v``'s."""
+    packed bytes and ``n_red / 16`` scale bytes a row; ``rmask`` the real ones), without their global scale: 2^-14
+    times the sum (times ``FP4_UNSCALE`` and the global scale, it is the rows' product).
+
+    A tile is ``[BLOCK_R, BLOCK_K / 8, 4]``: four packed bytes (eight codes, half a scale group) a thread. Their
+    even and odd codes (fp16 ``code * 2^-14``, exact in fp32) meet ``v``'s even and odd columns, loaded in the
+    same shape (so in the same layout: no exchange between threads), the eight products are summed in fp32 and
+    the sum scaled by its group's e4m3 scale once; the partial sums stay apart until the end, so the reduction
+    across threads runs once a program. ``PAIRS``: ``v`` is bf16 and each (even, odd) pair is read as one 32-bit
+    word (bf16 widens to fp32 by a shift)."""
+    H: tl.constexpr = BLOCK_K // 8
+    h = tl.arange(0, H)
+    pair = h[:, None] * 4 + tl.arange(0, 4)[None, :]  # [H, 4]: the tile's byte (column pair) numbers
+    zero = (rows * 0)[:, None, None]  # v's pointers as wide as the weight tile: the same layout
     q_rows = q_ptr + rows[:, None] * (n_red // 2)
     s_rows = s_ptr + rows[:, None] * (n_red // GROUP)
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_R, H], tl.float32)
     for k0 in range(0, n_red, BLOCK_K):
-        if INTERLEAVE:
-            ks = tl.arange(0, BLOCK_K)
-            v = tl.load(v_row + k0 + ks, mask=ks < n_red - k0, other=0.0).to(tl.float32)
-            w = fp4_interleaved(q_rows, s_rows, cmask, k0, n_red, GROUP, BLOCK_N, BLOCK_K, ASM)
-            acc += tl.sum(w.to(tl.float32) * v[None, :], 1)
+        hmask = h * 8 < n_red - k0
+        m3 = rmask[:, None, None] & hmask[None, :, None]
+        at = k0 // 2 + pair
+        b = tl.load(q_rows[:, :, None] + at[None, :, :], mask=m3, other=0)
+        s = tl.load(s_rows + k0 // GROUP + h[None, :] // (GROUP // 8), mask=rmask[:, None] & hmask[None, :], other=0)
+        if PAIRS:
+            word = tl.load(v_row.to(tl.pointer_type(tl.uint32)) + zero + at[None, :, :], mask=m3, other=0)
+            v_even = (word << 16).to(tl.float32, bitcast=True)
+            v_odd = ((word >> 16) << 16).to(tl.float32, bitcast=True)
         else:
-            half = tl.arange(0, BLOCK_K // 2)
-            kmask = 2 * half < n_red - k0
-            v_even = tl.load(v_row + k0 + 2 * half, mask=kmask, other=0.0).to(tl.float32)
-            v_odd = tl.load(v_row + k0 + 2 * half + 1, mask=kmask, other=0.0).to(tl.float32)
-            byte = k0 // 2 + half[None, :]
-            w_even, w_odd = fp4_pairs(q_rows + byte, s_rows + byte // (GROUP // 2), cmask[:, None] & kmask[None, :])
-            acc += tl.sum(w_even.to(tl.float32) * v_even[None, :] + w_odd.to(tl.float32) * v_odd[None, :], 1)
-    return acc
+            v_even = tl.load(v_row + zero + 2 * at[None, :, :], mask=m3, other=0.0).to(tl.float32)
+            v_odd = tl.load(v_row + zero + 2 * at[None, :, :] + 1, mask=m3, other=0.0).to(tl.float32)
+        if ASM:
+            w_even, w_odd = fp4_codes_asm(b)
+        else:
+            b16 = b.to(tl.uint16)
+            w_even = (((b16 & 7) << 9) | ((b16 & 8) << 12)).to(tl.float16, bitcast=True)
+            w_odd = (((b16 & 0x70) << 5) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True)
+        part = tl.sum(w_even.to(tl.float32) * v_even + w_odd.to(tl.float32) * v_odd, 2)
+        acc += part * s.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
+    return tl.sum(acc, 1)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
                     hidden, inter, s_inter, act_width, sx_t, sgu_e,
-                    TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, INTERLEAVE: tl.constexpr,
+                    TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PAIRS: tl.constexpr,
                     ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
     # Wait, then let the down kernel start: its programs read the expert ids before their own wait.
@@ -205,13 +258,16 @@ def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
     x_row = x_ptr + t * sx_t
     if FP4:  # routed experts in NVFP4 (gate rows, then up rows, a global scale each), the shared one dense
         if k < TOP_K:
-            gate_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * 2 * inter + cols
-            acc_g = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows, cmask, hidden, INTERLEAVE, ASM, GROUP,
-                              BLOCK_N, BLOCK_K)
-            acc_u = _fp4_rows(x_row, gu_ptr, gus_ptr, gate_rows + inter, cmask, hidden, INTERLEAVE, ASM, GROUP,
-                              BLOCK_N, BLOCK_K)
-            acc_g *= tl.load(gus2_ptr + gate_rows, mask=cmask, other=0.0) * FP4_UNSCALE
-            acc_u *= tl.load(gus2_ptr + gate_rows + inter, mask=cmask, other=0.0) * FP4_UNSCALE
+            # The columns' gate rows and up rows in one tile of 2 * BLOCK_N rows: twice the bytes in flight.
+            r = tl.arange(0, 2 * BLOCK_N)
+            r_cols = n0 + r % BLOCK_N
+            r_mask = r_cols < n_out
+            rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * 2 * inter + r_cols + (r // BLOCK_N) * inter
+            acc = _fp4_dot(x_row, gu_ptr, gus_ptr, rows, r_mask, hidden, ASM, PAIRS, GROUP, 2 * BLOCK_N, BLOCK_K)
+            acc = tl.reshape(acc * tl.load(gus2_ptr + rows, mask=r_mask, other=0.0) * FP4_UNSCALE, (2, BLOCK_N))
+            half = tl.arange(0, 2)[:, None]
+            acc_g = tl.sum(tl.where(half == 0, acc, 0.0), 0)
+            acc_u = tl.sum(tl.where(half == 1, acc, 0.0), 0)
         else:
             acc_g, acc_u = _gate_up_rows(x_row, sgu_ptr, cols, cmask, hidden, n_out, BLOCK_N, BLOCK_K)
     else:
@@ -244,7 +300,7 @@ def _dense_rows(rows, a_row, cmask, n_red, BLOCK_K: tl.constexpr, PDL: tl.conste
 @triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, sgate_ptr, part_ptr,
                  hidden, inter, s_inter, act_width, sx_t, sd_e,
-                 TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, INTERLEAVE: tl.constexpr,
+                 TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PAIRS: tl.constexpr,
                  ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
     """One (token, expert) assignment's ``down`` rows against its activation, fp32, unweighted; the
@@ -266,7 +322,7 @@ def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, 
         if k < TOP_K:
             w_rows = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) * hidden + cols
             pdl_wait(PDL)
-            part = _fp4_rows(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, INTERLEAVE, ASM, GROUP, BLOCK_N, BLOCK_K)
+            part = _fp4_dot(a_row, down_ptr, ds_ptr, w_rows, cmask, inter, ASM, PAIRS, GROUP, BLOCK_N, BLOCK_K)
             part *= tl.load(ds2_ptr + w_rows, mask=cmask, other=0.0) * FP4_UNSCALE
         else:
             part = _dense_rows(sdown_ptr + col_off * s_inter, a_row, cmask, s_inter, BLOCK_K, PDL)
@@ -308,10 +364,8 @@ def _combine_kernel(part_ptr, rw_ptr, out_ptr, hidden, so_t,
     tl.store(out_ptr + t * so_t + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
-# NVFP4 experts: each program's weight tile decoded in column order (the scale tile widened in registers), not as
-# even and odd columns with a scale load per byte.
-FP4_INTERLEAVE = True
-# ... and decoded by PTX on packed registers (``moe_nvfp4_triton.fp4_asm``; never in the interpreter).
+# NVFP4 experts' codes decoded by PTX on packed registers (:func:`fp4_codes_asm`; never in the interpreter) rather
+# than by Triton's per-value integer operations.
 FP4_ASM = True
 
 # Output features a combine program sums.
@@ -370,13 +424,13 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     ids = ids.contiguous()
     _gate_up_kernel[(tokens * per_token, triton.cdiv(width, cfg_a.block_n))](
         x, ids, gu, gus, gus2, s_gate_up, act, hidden, inter, s_inter, width, x.stride(0), gu.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, PAIRS=x.dtype == torch.bfloat16, ASM=fp4 and use_asm(FP4_ASM),
         GROUP=NVFP4_GROUP, BLOCK_N=cfg_a.block_n,
         BLOCK_K=min(cfg_a.block_k, triton.next_power_of_2(hidden)), num_warps=cfg_a.num_warps, **launch)
     part = torch.empty(tokens * per_token, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(tokens * per_token, triton.cdiv(hidden, cfg_b.block_n))](
         x, act, ids, dn, ds, ds2, s_down, s_gate, part, hidden, inter, s_inter, width, x.stride(0), dn.stride(0),
-        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, INTERLEAVE=FP4_INTERLEAVE, ASM=fp4 and use_asm(FP4_ASM),
+        TOP_K=top_k, SHARED=shared is not None, FP4=fp4, PAIRS=x.dtype == torch.bfloat16, ASM=fp4 and use_asm(FP4_ASM),
         GROUP=NVFP4_GROUP, BLOCK_N=cfg_b.block_n,
         BLOCK_K=min(cfg_b.block_k, triton.next_power_of_2(max(inter, s_inter, 16))),
         num_warps=cfg_b.num_warps, **launch)

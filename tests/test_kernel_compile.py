@@ -75,23 +75,24 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
         assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
 
 
-def decode_gemvs(fp4: bool, interleave: bool, asm: bool, tokens: int) -> None:
-    """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at the config row's tiles."""
+def decode_gemvs(fp4: bool, asm: bool, tokens: int, dtype: str) -> None:
+    """Both GEMV kernels with NVFP4 (or bf16) routed experts and a dense shared expert, at the config row's tiles,
+    over ``dtype`` activations."""
     from tidal.kernels import moe_decode_triton
 
     gate_up, down = moe_decode_triton.pick_config(tokens, fp4)
-    common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "INTERLEAVE": interleave, "ASM": asm, "GROUP": 16,
+    common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "PAIRS": dtype == "bf16", "ASM": asm, "GROUP": 16,
               "PDL": True}
     ints = dict.fromkeys(("hidden", "inter", "s_inter", "act_width", "sx_t"), "i32")
-    routed = "*u8" if fp4 else "*bf16"
+    routed = "*u8" if fp4 else f"*{dtype}"
     compile_for_h200(moe_decode_triton._gate_up_kernel,
-                     {"x_ptr": "*bf16", "ids_ptr": "*i64", "gu_ptr": routed, "gus_ptr": routed, "gus2_ptr": "*fp32",
-                      "sgu_ptr": "*bf16", "act_ptr": "*bf16", **ints, "sgu_e": "i64"},
+                     {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "gu_ptr": routed, "gus_ptr": routed,
+                      "gus2_ptr": "*fp32", "sgu_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", **ints, "sgu_e": "i64"},
                      {**common, "BLOCK_N": gate_up.block_n, "BLOCK_K": gate_up.block_k}, gate_up.num_warps)
     compile_for_h200(moe_decode_triton._down_kernel,
-                     {"x_ptr": "*bf16", "act_ptr": "*bf16", "ids_ptr": "*i64", "down_ptr": routed, "ds_ptr": routed,
-                      "ds2_ptr": "*fp32", "sdown_ptr": "*bf16", "sgate_ptr": "*bf16", "part_ptr": "*fp32", **ints,
-                      "sd_e": "i64"},
+                     {"x_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "ids_ptr": "*i64", "down_ptr": routed,
+                      "ds_ptr": routed, "ds2_ptr": "*fp32", "sdown_ptr": f"*{dtype}", "sgate_ptr": f"*{dtype}",
+                      "part_ptr": "*fp32", **ints, "sd_e": "i64"},
                      {**common, "BLOCK_N": down.block_n, "BLOCK_K": down.block_k}, down.num_warps)
 
 
@@ -107,8 +108,9 @@ CASES = {
     **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g}": (grouped_gemms, (dtype, i, a, t, g))
        for dtype, i, a, t, g in [("bf16", *d, d[0], d[0]) for d in DECODES]
        + [("bf16", True, False, True, False), ("bf16", True, False, False, False)]},
-    **{f"gemv tokens={n} fp4={f} interleave={i} asm={a}": (decode_gemvs, (f, i, a, n))
-       for n, f, i, a in [(1, True, *d) for d in DECODES] + [(1, False, False, False), (32, True, True, False)]},
+    **{f"gemv tokens={n} fp4={f} asm={a} {dtype}": (decode_gemvs, (f, a, n, dtype))
+       for n, f, a, dtype in [(1, True, False, "bf16"), (1, True, True, "bf16"), (32, True, True, "bf16"),
+                              (1, True, True, "fp16"), (1, False, False, "bf16")]},
     "gather_rows": (gather_rows, ()),
 }
 

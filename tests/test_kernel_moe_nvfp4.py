@@ -130,16 +130,15 @@ def test_rows_not_a_multiple_of_16_are_refused():
         moe_nvfp4_triton.sorted_gate_up_nvfp4(x[:, :40].contiguous(), order, ends, *gate_up, 2)
 
 
-@pytest.mark.parametrize("interleave,asm", [(True, a) for a in ASM] + [(False, False)])
+@pytest.mark.parametrize("asm", ASM)
 @pytest.mark.parametrize("with_shared", [True, False])
-def test_moe_gemv_reads_nvfp4_experts(with_shared, interleave, asm, monkeypatch):
+def test_moe_gemv_reads_nvfp4_experts(with_shared, asm, monkeypatch):
     """The decode GEMVs over NVFP4 routed experts (the shared expert dense, wider than the routed ones) against
     the loop over the dequantized experts; the default tiles (a K tile past the 80-wide reduction) and small ones;
-    weight tiles decoded in column order and as even and odd columns."""
+    codes decoded by Triton's operations and by PTX."""
     from tidal.kernels import moe_decode_triton
     from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv
 
-    monkeypatch.setattr(moe_decode_triton, "FP4_INTERLEAVE", interleave)
     monkeypatch.setattr(moe_decode_triton, "FP4_ASM", asm)
 
     x, ids, weights, gate_up, down = case(3, 3, 8, 80, 32, seed=4)
@@ -157,6 +156,23 @@ def test_moe_gemv_reads_nvfp4_experts(with_shared, interleave, asm, monkeypatch)
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("asm", ASM)
+def test_moe_gemv_reads_bf16_activations_as_column_pairs(asm, monkeypatch):
+    """bf16 activations, which the NVFP4 GEMVs read a (even, odd) column pair a 32-bit word: against the float32
+    loop over the same bf16 inputs and the dequantized experts, within the bf16 rounding of the activation between
+    the two GEMVs and of the output; the default tiles and small ones."""
+    from tidal.kernels import moe_decode_triton
+    from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv
+
+    monkeypatch.setattr(moe_decode_triton, "FP4_ASM", asm)
+    x, ids, weights, gate_up, down = case(3, 3, 8, 80, 48, dtype=torch.bfloat16, seed=5)
+    ref = fused_experts_ref(x.float(), ids, weights.float(), gate_up.dequantize(), down.dequantize())
+    for cfg in (None, (GemvConfig(16, 32, 4), GemvConfig(8, 16, 4))):
+        out = moe_gemv(x, ids, weights, gate_up, down, configs=cfg)
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, ref) < 1e-2
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Sweep the launch configs of the MoE kernels at the bench shapes or any other (device-only).
 
     python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
-        [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10]
+        [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10] [--gemv-arms bf16,triton,asm]
 
 The bench shapes by default (512 experts, top-10, hidden 2048, intermediate 512; ``flash-next``'s are
 ``--hidden 2560 --intermediate 640``), bf16, softmax-top-k routing of random logits; an empty ``--tokens`` or
@@ -16,9 +16,10 @@ TFLOP/s of the gate_up GEMM, and the largest difference from the replaced path, 
 ``--quantization nvfp4`` sweeps the NVFP4 passes instead (``moe_nvfp4_triton``: gate_up and down over packed
 experts), each against the bf16 path at the same shapes and against the experts dequantized per call and the bf16
 path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
-and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant decodes its
-tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied by descriptor
-or by pointer, its rows gathered inside the GEMM or copied first (:data:`VARIANTS`, :data:`DECODES`).
+and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant of the grouped
+GEMMs decodes its tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied
+by descriptor or by pointer, its rows gathered inside the GEMM or copied first (:data:`VARIANTS`); the GEMVs decode
+codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``).
 """
 
 from __future__ import annotations
@@ -86,12 +87,14 @@ NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3
 VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, True, True): "+asm",
             (True, False, True, False): "interleave tma", (True, False, False, False): "interleave",
             (False, False, False, False): "even/odd"}
-# (interleave, asm) of the decode GEMVs.
-DECODES = {(True, False): "interleave", (True, True): "interleave+asm", (False, False): "even/odd"}
+# How the decode GEMVs decode NVFP4 codes (moe_decode_triton.FP4_ASM).
+DECODES = {False: "triton", True: "asm"}
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
-                ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8)),
+                ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8)), ((2, 1024, 4), (16, 256, 4)),
                 # reduction tiles that divide flash-next's 2,560 and 640 (no masked remainder tile)
-                ((4, 512, 4), (16, 128, 4)), ((8, 256, 4), (32, 128, 4)), ((2, 512, 4), (8, 128, 4))]
+                ((4, 512, 4), (16, 128, 4)), ((8, 256, 4), (32, 128, 4)), ((2, 512, 4), (8, 128, 4)),
+                ((4, 256, 4), (16, 64, 4)), ((8, 512, 8), (32, 128, 8)), ((16, 128, 4), (64, 64, 4)),
+                ((4, 512, 2), (16, 128, 2)), ((8, 256, 2), (8, 128, 2))]
 
 
 def routing(tokens: int, experts: int, top_k: int, hidden: int, g: torch.Generator):
@@ -151,15 +154,18 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
         print(f"  whole routed experts, {name}: {ms * 1e3:8.1f} us ({3 * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
 
 
-def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator) -> None:
+def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator,
+               kinds: list[str]) -> None:
     x, ids, weights = routing(tokens, gate_up.shape[0], top_k, gate_up.shape[2], g)
     packed = (q_gate_up.nvfp4(), q_down.nvfp4())
     distinct = torch.unique(ids).numel()
-    arms = (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2, (False, False)),
-            *((f"nvfp4 {label}", packed, q_gate_up.bytes_per_expert() + q_down.bytes_per_expert(), decode)
-              for decode, label in DECODES.items()))
-    for label, (gu, dn), nbytes, (interleave, asm) in arms:
-        moe_decode_triton.FP4_INTERLEAVE, moe_decode_triton.FP4_ASM = interleave, asm
+    arms = (("bf16", (gate_up, down), gate_up[0].numel() * 2 * 3 // 2, False),
+            *((f"nvfp4 {label}", packed, q_gate_up.bytes_per_expert() + q_down.bytes_per_expert(), asm)
+              for asm, label in DECODES.items()))
+    for label, (gu, dn), nbytes, asm in arms:
+        if label.split()[-1] not in kinds:
+            continue
+        moe_decode_triton.FP4_ASM = asm
         for a, b in GEMV_CONFIGS:
             cfg = (moe_decode_triton.GemvConfig(*a), moe_decode_triton.GemvConfig(*b))
             try:
@@ -180,6 +186,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--gemv-arms", default="bf16,triton,asm",
+                    help="decode GEMV arms: bf16 experts, NVFP4 decoded by Triton's operations (triton) or by PTX (asm)")
     ns = ap.parse_args()
     experts, hidden, inter, top_k = ns.experts, ns.hidden, ns.intermediate, ns.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -196,7 +204,7 @@ def main() -> None:
     for tokens in counts:
         sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, top_k, g)
     for tokens in (int(t) for t in ns.decode_tokens.split(",") if t):
-        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g)
+        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g, ns.gemv_arms.split(","))
 
 
 if __name__ == "__main__":
