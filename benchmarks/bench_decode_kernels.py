@@ -2,7 +2,7 @@
 (as decode runs them).
 
     python benchmarks/bench_decode_kernels.py --out DIR [--parts route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
-        [--contexts 8192,32768,131072] [--prefill 32768]   (parts: route, moe, qsa, hc, gemv)
+        [--contexts 8192,32768,131072] [--prefill 32768] [--hc-hidden 2048]   (parts: route, moe, qsa, hc, gemv)
 
 MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
 tokens, the ``grouped`` arm is the layer's MoE after the router GEMM as it ran before the GEMV kernels
@@ -17,7 +17,7 @@ path of ``QSAIndexer._select_group`` (gather, fp32 einsum, ReLU, head sum, maske
 
 Router: ``route_ref`` (softmax, ``torch.topk``, renormalise) against ``route_triton`` at 1, 2 and 4 warps.
 
-Hyper-connection residual and mix (``--parts hc``; hc 4 x hidden 2048, low rank 320): for T rows, the
+Hyper-connection residual and mix (``--parts hc``; hc 4 x hidden 2048 or ``--hc-hidden``, low rank 320): for T rows, the
 ``cublas`` arm is the residual and mix as larger batches run them (the residual-norm kernel, the ``[down;
 inject]`` GEMM, the gate kernel, the ``up`` GEMM, the block-input kernel) and the kernel arms are
 ``hc_norm_down_triton`` then ``hc_mix_tail_triton`` at each launch shape; each of the two alone is timed
@@ -170,9 +170,9 @@ def rotated_us(fn, weights) -> float:
     return graph_us(lambda: [fn(*w) for w in weights], replays=50) / len(weights)
 
 
-def bench_hc(tokens_list, bw, results):
+def bench_hc(tokens_list, bw, results, hidden: int = H):
     g = torch.Generator(device="cuda").manual_seed(3)
-    dt, width = torch.bfloat16, HC * H
+    dt, width = torch.bfloat16, HC * hidden
     stack_rows = LOWRANK + HC + 4  # padded to a multiple of 8 rows, as StackedWeight does
     nbytes = (stack_rows + LOWRANK) * width * 2
     weights = [((torch.randn(stack_rows, width, generator=g, device="cuda") / width ** 0.5).to(dt),
@@ -180,7 +180,7 @@ def bench_hc(tokens_list, bw, results):
                for _ in range(copies_beyond_l2(nbytes))]
     norm_w = (0.2 * torch.randn(width, generator=g, device="cuda")).to(dt)
     floor_us = nbytes / bw * 1e6
-    print(f"HC residual + mix: {len(weights)} weight copies, floor {floor_us:.2f} us")
+    print(f"HC residual + mix (hidden {hidden}): {len(weights)} weight copies, floor {floor_us:.2f} us")
 
     def cublas(streams, pending, stack, up):
         _, normed = hc_k.hc_residual_norm(streams, *pending, HC, norm_w, 1e-6)
@@ -200,7 +200,7 @@ def bench_hc(tokens_list, bw, results):
 
     for t in tokens_list:
         streams = torch.randn(t, width, generator=g, device="cuda").to(dt)
-        pending = (torch.randn(t, H, generator=g, device="cuda").to(dt), torch.randn(t, HC, generator=g,
+        pending = (torch.randn(t, hidden, generator=g, device="cuda").to(dt), torch.randn(t, HC, generator=g,
                                                                                     device="cuda").to(dt))
         row = {"tokens": t, "floor_us": floor_us,
                "cublas_us": rotated_us(functools.partial(cublas, streams, pending), weights)}
@@ -257,6 +257,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="8192,32768,131072")
     ap.add_argument("--prefill", type=int, default=32768)
     ap.add_argument("--parts", default="route,moe,qsa")
+    ap.add_argument("--hc-hidden", type=int, default=H, help="features a stream of the hc part (flash-next: 2560)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,7 @@ def main() -> None:
     if "route" in parts:
         bench_route(results)
     if "hc" in parts:
-        bench_hc(tokens, bw, results)
+        bench_hc(tokens, bw, results, args.hc_hidden)
     if "gemv" in parts:
         bench_gemv(tokens, bw, results)
     if "moe" in parts:

@@ -117,12 +117,11 @@ CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
 # The same for NVFP4 routed experts, chosen at flash-next's shapes (hidden 2,560, intermediate 640, top-10, 512
 # experts) with tools/tune_moe.py --quantization nvfp4 --hidden 2560 --intermediate 640 (CUDA-graph timing, PTX
 # decode): reduction tiles that divide 2,560 and 640, so no masked remainder tile. The MoE without the shared expert
-# at 1 token: 31.1 us with 4 columns x 512 (gate_up) and 16 x 128 (down), against 39.5 us with the bf16 table's
-# configs; at 8 tokens 170.2 us with 8 x 256 and 32 x 128 (181.6 with the former, 269.8 with the bf16 table's); at 32
-# tokens 630.1 us (688.8, 763.3).
+# at 1 token: 25.3 us with 2 columns x 512 (gate_up) and 8 x 128 (down); at 8 tokens 138.6 us with 4 x 512 and
+# 16 x 128 at 2 warps; at 32 tokens 512.6 us with the same.
 FP4_CONFIGS: tuple[tuple[int, GemvConfig, GemvConfig], ...] = (
-    (4, GemvConfig(4, 512, 4), GemvConfig(16, 128, 4)),
-    (1 << 62, GemvConfig(8, 256, 4), GemvConfig(32, 128, 4)),
+    (4, GemvConfig(2, 512, 4), GemvConfig(8, 128, 4)),
+    (1 << 62, GemvConfig(4, 512, 2), GemvConfig(16, 128, 2)),
 )
 
 
@@ -193,10 +192,50 @@ def fp4_codes_asm(b):
 
 
 @triton.jit
-def _fp4_dot(v_row, q_ptr, s_ptr, rows, rmask, n_red, ASM: tl.constexpr, PAIRS: tl.constexpr, GROUP: tl.constexpr,
-             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``n_red / 2``
-    packed bytes and ``n_red / 16`` scale bytes a row; ``rmask`` the real ones), without their global scale: 2^-14
+def _fp4_tile(v_row, q_rows, s_rows, zero, rmask, k0, N_RED: tl.constexpr, PAIRS: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """The loads of one K tile of :func:`_fp4_dot`: ``(packed bytes, scale bytes, v's words or even columns, v's
+    odd columns)`` (with ``PAIRS`` the words twice)."""
+    H: tl.constexpr = BLOCK_K // 8
+    h = tl.arange(0, H)
+    at = k0 // 2 + h[:, None] * 4 + tl.arange(0, 4)[None, :]  # [H, 4]: the tile's bytes (column pairs)
+    hmask = h * 8 < N_RED - k0
+    m3 = rmask[:, None, None] & hmask[None, :, None]
+    b = tl.load(q_rows[:, :, None] + at[None, :, :], mask=m3, other=0)
+    s = tl.load(s_rows + k0 // GROUP + h[None, :] // (GROUP // 8), mask=rmask[:, None] & hmask[None, :], other=0)
+    if PAIRS:
+        v = tl.load(v_row.to(tl.pointer_type(tl.uint32)) + zero + at[None, :, :], mask=m3, other=0)
+        v_odd = v  # not read
+    else:
+        v = tl.load(v_row + zero + 2 * at[None, :, :], mask=m3, other=0.0)
+        v_odd = tl.load(v_row + zero + 2 * at[None, :, :] + 1, mask=m3, other=0.0)
+    return b, s, v, v_odd
+
+
+@triton.jit
+def _fp4_tile_dot(acc, b, s, v, v_odd, ASM: tl.constexpr, PAIRS: tl.constexpr):
+    """``acc`` plus one K tile's scaled half-group sums (see :func:`_fp4_dot`)."""
+    if PAIRS:
+        v_even = (v << 16).to(tl.float32, bitcast=True)
+        v_odd = ((v >> 16) << 16).to(tl.float32, bitcast=True)
+    else:
+        v_even = v.to(tl.float32)
+        v_odd = v_odd.to(tl.float32)
+    if ASM:
+        w_even, w_odd = fp4_codes_asm(b)
+    else:
+        b16 = b.to(tl.uint16)
+        w_even = (((b16 & 7) << 9) | ((b16 & 8) << 12)).to(tl.float16, bitcast=True)
+        w_odd = (((b16 & 0x70) << 5) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True)
+    part = tl.sum(w_even.to(tl.float32) * v_even + w_odd.to(tl.float32) * v_odd, 2)
+    return acc + part * s.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _fp4_dot(v_row, q_ptr, s_ptr, rows, rmask, N_RED: tl.constexpr, ASM: tl.constexpr, PAIRS: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``sum_k W[r, k] * v[k]`` for the NVFP4 rows ``rows`` (int64 row numbers of the stack: ``N_RED / 2``
+    packed bytes and ``N_RED / 16`` scale bytes a row; ``rmask`` the real ones), without their global scale: 2^-14
     times the sum (times ``FP4_UNSCALE`` and the global scale, it is the rows' product).
 
     A tile is ``[BLOCK_R, BLOCK_K / 8, 4]``: four packed bytes (eight codes, half a scale group) a thread. Their
@@ -204,41 +243,24 @@ def _fp4_dot(v_row, q_ptr, s_ptr, rows, rmask, n_red, ASM: tl.constexpr, PAIRS: 
     same shape (so in the same layout: no exchange between threads), the eight products are summed in fp32 and
     the sum scaled by its group's e4m3 scale once; the partial sums stay apart until the end, so the reduction
     across threads runs once a program. ``PAIRS``: ``v`` is bf16 and each (even, odd) pair is read as one 32-bit
-    word (bf16 widens to fp32 by a shift)."""
-    H: tl.constexpr = BLOCK_K // 8
-    h = tl.arange(0, H)
-    pair = h[:, None] * 4 + tl.arange(0, 4)[None, :]  # [H, 4]: the tile's byte (column pair) numbers
+    word (bf16 widens to fp32 by a shift). The K loop is unrolled (``N_RED`` is a constant) and each tile's loads
+    are issued before the tile before it is computed, so a program keeps two tiles of weights in flight."""
     zero = (rows * 0)[:, None, None]  # v's pointers as wide as the weight tile: the same layout
-    q_rows = q_ptr + rows[:, None] * (n_red // 2)
-    s_rows = s_ptr + rows[:, None] * (n_red // GROUP)
-    acc = tl.zeros([BLOCK_R, H], tl.float32)
-    for k0 in range(0, n_red, BLOCK_K):
-        hmask = h * 8 < n_red - k0
-        m3 = rmask[:, None, None] & hmask[None, :, None]
-        at = k0 // 2 + pair
-        b = tl.load(q_rows[:, :, None] + at[None, :, :], mask=m3, other=0)
-        s = tl.load(s_rows + k0 // GROUP + h[None, :] // (GROUP // 8), mask=rmask[:, None] & hmask[None, :], other=0)
-        if PAIRS:
-            word = tl.load(v_row.to(tl.pointer_type(tl.uint32)) + zero + at[None, :, :], mask=m3, other=0)
-            v_even = (word << 16).to(tl.float32, bitcast=True)
-            v_odd = ((word >> 16) << 16).to(tl.float32, bitcast=True)
-        else:
-            v_even = tl.load(v_row + zero + 2 * at[None, :, :], mask=m3, other=0.0).to(tl.float32)
-            v_odd = tl.load(v_row + zero + 2 * at[None, :, :] + 1, mask=m3, other=0.0).to(tl.float32)
-        if ASM:
-            w_even, w_odd = fp4_codes_asm(b)
-        else:
-            b16 = b.to(tl.uint16)
-            w_even = (((b16 & 7) << 9) | ((b16 & 8) << 12)).to(tl.float16, bitcast=True)
-            w_odd = (((b16 & 0x70) << 5) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True)
-        part = tl.sum(w_even.to(tl.float32) * v_even + w_odd.to(tl.float32) * v_odd, 2)
-        acc += part * s.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.float32)
+    q_rows = q_ptr + rows[:, None] * (N_RED // 2)
+    s_rows = s_ptr + rows[:, None] * (N_RED // GROUP)
+    acc = tl.zeros([BLOCK_R, BLOCK_K // 8], tl.float32)
+    b, s, v, v_odd = _fp4_tile(v_row, q_rows, s_rows, zero, rmask, 0, N_RED, PAIRS, GROUP, BLOCK_K)
+    for k0 in tl.static_range(BLOCK_K, N_RED, BLOCK_K):
+        nb, ns, nv, nv_odd = _fp4_tile(v_row, q_rows, s_rows, zero, rmask, k0, N_RED, PAIRS, GROUP, BLOCK_K)
+        acc = _fp4_tile_dot(acc, b, s, v, v_odd, ASM, PAIRS)
+        b, s, v, v_odd = nb, ns, nv, nv_odd
+    acc = _fp4_tile_dot(acc, b, s, v, v_odd, ASM, PAIRS)
     return tl.sum(acc, 1)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, gu_ptr, gus_ptr, gus2_ptr, sgu_ptr, act_ptr,
-                    hidden, inter, s_inter, act_width, sx_t, sgu_e,
+                    hidden: tl.constexpr, inter: tl.constexpr, s_inter, act_width, sx_t, sgu_e,
                     TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PAIRS: tl.constexpr,
                     ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
@@ -299,7 +321,7 @@ def _dense_rows(rows, a_row, cmask, n_red, BLOCK_K: tl.constexpr, PDL: tl.conste
 
 @triton.jit
 def _down_kernel(x_ptr, act_ptr, ids_ptr, down_ptr, ds_ptr, ds2_ptr, sdown_ptr, sgate_ptr, part_ptr,
-                 hidden, inter, s_inter, act_width, sx_t, sd_e,
+                 hidden: tl.constexpr, inter: tl.constexpr, s_inter, act_width, sx_t, sd_e,
                  TOP_K: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr, PAIRS: tl.constexpr,
                  ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):

@@ -35,6 +35,7 @@ def compile_for_h200(fn, signature: dict[str, str], constants: dict, warps: int 
     from triton.compiler import ASTSource
 
     signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    signature = {name: signature[name] for name in fn.arg_names}  # in the order of the parameters
     kernel = triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
     assert kernel.asm["cubin"], "no cubin"
@@ -82,8 +83,8 @@ def decode_gemvs(fp4: bool, asm: bool, tokens: int, dtype: str) -> None:
 
     gate_up, down = moe_decode_triton.pick_config(tokens, fp4)
     common = {"TOP_K": 10, "SHARED": True, "FP4": fp4, "PAIRS": dtype == "bf16", "ASM": asm, "GROUP": 16,
-              "PDL": True}
-    ints = dict.fromkeys(("hidden", "inter", "s_inter", "act_width", "sx_t"), "i32")
+              "PDL": True, "hidden": 2560, "inter": 640}  # flash-next's
+    ints = dict.fromkeys(("s_inter", "act_width", "sx_t"), "i32")
     routed = "*u8" if fp4 else f"*{dtype}"
     compile_for_h200(moe_decode_triton._gate_up_kernel,
                      {"x_ptr": f"*{dtype}", "ids_ptr": "*i64", "gu_ptr": routed, "gus_ptr": routed,
