@@ -157,9 +157,10 @@ def _gate_up_rows(x_row, w, cols, cmask, hidden, n_out, BLOCK_N: tl.constexpr, B
 @triton.jit
 def fp4_codes_asm(b):
     """Packed bytes ``b`` (uint8) as fp16 ``code * 2^-14`` without their scale: ``(even values, odd values)``, four
-    bytes a register in PTX. A byte permute puts two bytes in the high halves of a register's 16-bit lanes; from
-    there the even code's magnitude is one place left of an fp16's low exponent bits and mantissa bit, its sign four
-    places right of the sign bit, and the odd code's magnitude three places left, its sign in place."""
+    bytes a register in PTX. A byte permute puts two bytes in the high halves of a register's 16-bit lanes; there
+    the even code's magnitude sits one bit below an fp16's low exponent bits and top mantissa bit and its sign four
+    bits below the sign bit, the odd code's magnitude three bits above them and its sign in place: a shift and a
+    mask each."""
     return tl.inline_asm_elementwise(
         asm="""
         {
