@@ -67,8 +67,8 @@ def exact(tok, text: str, length: int) -> str:
     return out
 
 
-def expert_bytes(srv: Server) -> float:
-    m = srv.metrics()
+def expert_bytes(srv: Server, metrics: dict[str, float] | None = None) -> float:
+    m = srv.metrics() if metrics is None else metrics
     return sum(v for k, v in m.items() if k.startswith("tidal_expert_bytes_total"))
 
 
@@ -90,7 +90,9 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
     out = {"arm": arm, "flags": flags, "start_s": start_s, "requests": []}
     try:
         for name, prompt in prompts["sequence"]:
-            before = expert_bytes(srv)
+            # The counters of the request before reach /metrics with the scheduler's idle snapshot, which may
+            # trail its last streamed event: read the start only once that snapshot is in.
+            before = expert_bytes(srv, srv.wait_idle())
             at_first: list[float] = []
             obs = greedy_stream(srv.url, prompt, ns.max_tokens, "bench",
                                 on_first_text=lambda seen=at_first: seen.append(expert_bytes(srv)))
@@ -98,7 +100,7 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
             if rec is None:
                 raise RuntimeError(f"the tap never saw {obs['rid']} finish")
             r = {k: obs[k] for k in ("rid", "first_text_s", "full_s", "usage", "finish_reason", "done")}
-            r.update(name=name, expert_bytes=expert_bytes(srv) - before, token_ids=rec.token_ids,
+            r.update(name=name, expert_bytes=expert_bytes(srv, srv.wait_idle()) - before, token_ids=rec.token_ids,
                      expert_bytes_to_first_text=(at_first[0] - before) if at_first else None,
                      output_tok_per_s=obs["usage"]["completion_tokens"] / obs["full_s"],
                      decode_tok_per_s=(obs["usage"]["completion_tokens"] - 1) / (obs["full_s"] - obs["first_text_s"]),

@@ -133,6 +133,9 @@ class SchedulerLoop:
                 for sock in self.to_executors:
                     sock.send(batch)
         if self._out:
+            if self.scheduler.first_tokens:
+                # The counters of the forwards that finished a prompt reach /metrics before its first text.
+                self._send_stats(now=True)
             self.to_detok.send(StepOutput(events=list(self._out)))
             self._out.clear()
         self._send_stats()
@@ -152,8 +155,11 @@ class SchedulerLoop:
         self.in_flight = self.ahead = None
         self.scheduler.fail_all(f"internal error in the scheduler while {what}")
 
-    def _send_stats(self) -> None:
-        now = time.monotonic()
+    def _send_stats(self, now: bool = False) -> None:
+        """Publish the pool gauges and counters when they changed: at most every ``STATS_INTERVAL`` while
+        busy, at once on the way into or out of idle or when ``now``."""
+        self.scheduler.first_tokens = 0
+        sent_at = time.monotonic()
         stats = self.scheduler.stats()
         changed = (stats.running, stats.waiting, stats.kv_pages_in_use, stats.state_slots_in_use,
                    stats.kv_pages_cached, stats.state_slots_cached, tuple(sorted(stats.counters.items())))
@@ -161,10 +167,10 @@ class SchedulerLoop:
         # and a reader that saw idle sees the next request start before any of its output arrives (stats and
         # output reach the frontend in order), so it never takes the earlier idle snapshot for the later one.
         was_idle = self._last_stats is not None and self._last_stats[0] == 0
-        if changed != self._last_stats and (now - self._last_stats_time >= STATS_INTERVAL or stats.running == 0
-                                            or was_idle):
+        if changed != self._last_stats and (now or sent_at - self._last_stats_time >= STATS_INTERVAL
+                                            or stats.running == 0 or was_idle):
             self.to_detok.send(stats)
-            self._last_stats, self._last_stats_time = changed, now
+            self._last_stats, self._last_stats_time = changed, sent_at
 
     def run(self) -> None:
         self.control.send(Ready(role="scheduler"))

@@ -64,6 +64,9 @@ class Scheduler:
                 counters=self.counters)
         # The executor's cumulative per-MoE-layer counters (offload), passed through to /metrics.
         self.executor_stats: dict[str, list[int]] = {}
+        # Requests given their first output token since the stats were last published (SchedulerLoop sends
+        # those stats ahead of that token).
+        self.first_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
@@ -430,6 +433,7 @@ class Scheduler:
                 continue
             req.output.append(tok)
             self.counters["generation_tokens"] += 1
+            self.first_tokens += len(req.output) == 1
             reason = None
             if tok in req.stop_token_ids:
                 reason = "stop"

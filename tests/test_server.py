@@ -157,6 +157,22 @@ def test_closing_a_stream_aborts_the_request(server, client):
     assert out.usage.completion_tokens == 3
 
 
+def test_metrics_read_at_first_text_count_the_forward_behind_it(server):
+    """The counters of the forward that finished a prompt reach /metrics ahead of its first token (they are
+    otherwise published at most every 50 ms while busy): a reader that sees a request's first text sees its
+    prefill forward and its first token counted."""
+    from tidal.bench.client import request_body, stream_sync
+
+    for i in range(4):
+        before = server.wait_idle()
+        seen: list[dict[str, float]] = []
+        out = stream_sync(server.url, request_body("tiny", f"count me {i}", 4, logprobs=False),
+                          api_key=server.api_key, on_first_text=lambda: seen.append(server.metrics()))
+        assert out["status"] == 200 and seen, out
+        for name in ("tidal_scheduler_prefill_forwards_total", "tidal_scheduler_generation_tokens_total"):
+            assert seen[0][name] >= before[name] + 1, (i, name, before[name], seen[0][name])
+
+
 BAD_REQUESTS = [
     ("missing prompt", {"model": "tiny"}, "prompt"),
     ("ill-typed max_tokens", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
