@@ -1,7 +1,7 @@
 """Sweep the launch configs of the MoE kernels at the bench shapes or any other (device-only).
 
     python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
-        [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10] [--gemv-arms bf16,triton,asm]
+        [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10] [--gemv-arms bf16,triton,asm,grouped]
 
 The bench shapes by default (512 experts, top-10, hidden 2048, intermediate 512; ``flash-next``'s are
 ``--hidden 2560 --intermediate 640``), bf16, softmax-top-k routing of random logits; an empty ``--tokens`` or
@@ -19,7 +19,8 @@ path (what runs without the kernels); then, for ``--decode-tokens``, the decode 
 and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant of the grouped
 GEMMs decodes its tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied
 by descriptor or by pointer, its rows gathered inside the GEMM or copied first (:data:`VARIANTS`); the GEMVs decode
-codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``).
+codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``); the ``grouped`` arm times the grouped GEMMs
+at the decode token counts (:data:`DECODE_GEMM_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, T
             (False, False, False, False): "even/odd"}
 # How the decode GEMVs decode NVFP4 codes (moe_decode_triton.FP4_ASM).
 DECODES = {False: "triton", True: "asm"}
+# (block_m, block_n, block_k, num_warps, num_stages) of both grouped GEMMs in the decode sweep's "grouped" arm: the
+# prefill path (sort by expert, tensor-core tiles, each distinct expert read once) at decode token counts; the
+# prefill's own two configs first.
+DECODE_GEMM_CONFIGS = [moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG,
+                       *((bm, moe_triton.GemmConfig(*c)) for bm, *c in ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
+                                                                      (16, 64, 256, 4, 3), (32, 64, 128, 4, 3)))]
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
                 ((16, 256, 4), (64, 256, 4)), ((8, 1024, 8), (32, 512, 8)), ((2, 1024, 4), (16, 256, 4)),
                 # reduction tiles that divide flash-next's 2,560 and 640 (no masked remainder tile)
@@ -175,6 +182,32 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
                 continue
             print(f"T={tokens} gemv {label} {a} {b}: {ms * 1e3:7.1f} us, {distinct * nbytes / ms / 1e6:6.0f} GB/s "
                   f"of distinct experts", flush=True)
+    if "grouped" in kinds:
+        sweep_decode_gemm(tokens, x, ids, weights, packed, distinct, q_gate_up.bytes_per_expert()
+                          + q_down.bytes_per_expert())
+
+
+def sweep_decode_gemm(tokens: int, x, ids, weights, packed, distinct: int, nbytes: int) -> None:
+    """The grouped GEMM path over NVFP4 experts (``moe.fused_experts_nvfp4``: sort, both GEMMs, combine) at a
+    decode token count, both passes at each of :data:`DECODE_GEMM_CONFIGS`, timed as a CUDA graph like the
+    GEMVs; the largest difference from the GEMV at its default configs."""
+    ref = moe_decode_triton.moe_gemv(x, ids, weights, *packed).float()
+    saved = moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG
+    try:
+        for cfg in DECODE_GEMM_CONFIGS:
+            moe_nvfp4_triton.GATE_UP_CONFIG = moe_nvfp4_triton.DOWN_CONFIG = cfg
+            label = f"m{cfg[0]} n{cfg[1].block_n} k{cfg[1].block_k} w{cfg[1].num_warps} s{cfg[1].num_stages}"
+            fn = functools.partial(moe.fused_experts_nvfp4, x, ids, weights, *packed)
+            try:
+                diff = (fn().float() - ref).abs().max().item()
+                ms = timed(fn, True)
+            except Exception as e:  # out of shared memory or registers for this config
+                print(f"T={tokens} grouped gemm {label}: {type(e).__name__} {str(e)[-400:]}", flush=True)
+                continue
+            print(f"T={tokens} grouped gemm {label}: {ms * 1e3:7.1f} us, {distinct * nbytes / ms / 1e6:6.0f} GB/s of "
+                  f"distinct experts, max diff from the gemv {diff:.4f}", flush=True)
+    finally:
+        moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG = saved
 
 
 def main() -> None:
@@ -186,8 +219,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=10)
-    ap.add_argument("--gemv-arms", default="bf16,triton,asm",
-                    help="decode GEMV arms: bf16 experts, NVFP4 decoded by Triton's operations (triton) or by PTX (asm)")
+    ap.add_argument("--gemv-arms", default="bf16,triton,asm,grouped",
+                    help="decode arms: GEMVs over bf16 experts, over NVFP4 decoded by Triton's operations (triton) or "
+                         "by PTX (asm); the NVFP4 grouped GEMMs of prefill (grouped)")
     ns = ap.parse_args()
     experts, hidden, inter, top_k = ns.experts, ns.hidden, ns.intermediate, ns.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
