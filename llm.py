@@ -74,7 +74,13 @@ class LLM:
             batch = self.scheduler.schedule()
             if batch is None:
                 raise GenerationError("requests are waiting but none can be admitted")
-            out = self.runner.execute(batch)
+            try:
+                out = self.runner.execute(batch)
+            except Exception as e:  # the batch's requests end with the error, as a serving executor's would
+                self.scheduler.fail_batch(batch, f"{type(e).__name__}: {e}")
+                events, self._events[:] = list(self._events), []
+                yield from events
+                continue
             if collect_logits is not None:
                 rid, parts = collect_logits
                 for i, seg in enumerate(batch.segments):

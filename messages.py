@@ -76,7 +76,9 @@ class SamplingParams(Struct, frozen=True, omit_defaults=True):
 class ImageInput(Struct, array_like=True, omit_defaults=True):
     """One image of a prompt: its vision tokens are the ``tokens`` placeholder ids at prompt positions
     ``[offset, offset + tokens)`` (``tokens = t * h * w / merge**2``); ``pixels`` the image processor's
-    ``pixel_values`` rows (float32 ``[t * h * w, patch_dim]``); ``digest`` names its content (the prefix
+    ``pixel_values`` rows (float32 ``[t * h * w, patch_dim]``), or, with ``rgb`` instead, the resized image
+    (uint8 ``[h * patch, w * patch, 3]``, ``t`` 1) that the executor rescales, normalises and cuts into those
+    rows itself (an eighth of the bytes at a temporal patch of 2); ``digest`` names its content (the prefix
     cache keys on it)."""
 
     offset: int
@@ -84,6 +86,7 @@ class ImageInput(Struct, array_like=True, omit_defaults=True):
     grid: list[int]  # (t, h, w) in patches
     pixels: bytes
     digest: str
+    rgb: bytes = b""
 
 
 class GenerateReq(Struct, tag="GenerateReq", omit_defaults=True):

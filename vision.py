@@ -102,10 +102,9 @@ class ImageProcessor:
             w = math.ceil(width * beta / factor) * factor
         return h, w
 
-    def preprocess(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """``(pixel_values [h * w, patch_dim] float32, (1, h, w))`` of a PIL image: RGB (transparency on
-        white), resized bicubically, rescaled, normalised, cut into patches in spatial-merge-block order,
-        each patch repeated over the temporal patch."""
+    def resize(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """``(rgb [h, w, 3] uint8, (1, h / patch, w / patch))`` of a PIL image: RGB (transparency on white),
+        resized bicubically to :meth:`target_size`."""
         from PIL import Image
 
         if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -114,16 +113,37 @@ class ImageProcessor:
         else:
             image = image.convert("RGB")
         h, w = self.target_size(image.height, image.width)
-        array = np.array(image.resize((w, h), resample=Image.Resampling.BICUBIC))  # [h, w, 3] uint8
-        pixels = (array.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        mean = np.array(self.image_mean, dtype=np.float32)
-        std = np.array(self.image_std, dtype=np.float32)
-        pixels = ((pixels - mean) / std).astype(np.float32).transpose(2, 0, 1)  # [3, h, w]
+        rgb = np.array(image.resize((w, h), resample=Image.Resampling.BICUBIC))
+        return rgb, (1, h // self.patch_size, w // self.patch_size)
+
+    def pixel_values(self, rgb):
+        """The ``pixel_values`` rows (float32 ``[h * w, patch_dim]`` for ``h x w`` patches) of a resized image
+        ``rgb`` (uint8 ``[H, W, 3]``, sides multiples of patch x merge): rescaled in float64 and normalised in
+        float32 as transformers does, cut into patches in spatial-merge-block order, each patch repeated over the
+        temporal patch. A numpy array gives a numpy array; a tensor a tensor on its device (the executor's: a
+        request sends the resized image, an eighth of these bytes)."""
+        import torch
+
+        as_numpy = isinstance(rgb, np.ndarray)
+        x = torch.from_numpy(np.ascontiguousarray(rgb)) if as_numpy else rgb
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = h // p, w // p
-        blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        blocks = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-        return np.ascontiguousarray(blocks.reshape(gh * gw, 3 * t * p * p)), (1, gh, gw)
+        if x.dim() != 3 or x.shape[2] != 3 or x.dtype != torch.uint8 or x.shape[0] % (p * m) or x.shape[1] % (p * m):
+            raise ValueError(f"an RGB image of shape {tuple(x.shape)} and dtype {x.dtype}: need uint8 [H, W, 3] with "
+                             f"H and W multiples of {p * m}")
+        mean = torch.tensor(self.image_mean, dtype=torch.float32, device=x.device)
+        std = torch.tensor(self.image_std, dtype=torch.float32, device=x.device)
+        pixels = (((x.double() * self.rescale_factor).float() - mean) / std).permute(2, 0, 1)  # [3, H, W]
+        gh, gw = x.shape[0] // p, x.shape[1] // p
+        blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        blocks = blocks[:, :, :, :, :, None].expand(*blocks.shape[:5], t, p, p)
+        out = blocks.reshape(gh * gw, 3 * t * p * p).contiguous()
+        return out.numpy() if as_numpy else out
+
+    def preprocess(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """``(pixel_values [h * w, patch_dim] float32, (1, h, w))`` of a PIL image: :meth:`resize`, then
+        :meth:`pixel_values`."""
+        rgb, grid = self.resize(image)
+        return self.pixel_values(rgb), grid
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
@@ -143,6 +163,21 @@ def image_input(pixel_values, grid: tuple[int, int, int], offset: int, merge: in
     data = pixels.tobytes()
     digest = hashlib.sha256(np.array([t, h, w], dtype=np.int64).tobytes() + data).hexdigest()
     return ImageInput(offset=offset, tokens=t * h * w // merge ** 2, grid=[t, h, w], pixels=data, digest=digest)
+
+
+def rgb_input(rgb: np.ndarray, offset: int, processor: ImageProcessor) -> ImageInput:
+    """The ``ImageInput`` of a resized image (:meth:`ImageProcessor.resize`) at prompt position ``offset``: its
+    RGB bytes travel instead of pixel values, and the executor computes those with
+    :meth:`ImageProcessor.pixel_values`."""
+    rgb = np.ascontiguousarray(rgb)
+    p, m = processor.patch_size, processor.merge_size
+    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] % (p * m) or rgb.shape[1] % (p * m):
+        raise ValueError(f"an RGB image of shape {rgb.shape} and dtype {rgb.dtype}: need uint8 [H, W, 3] with H and "
+                         f"W multiples of {p * m}")
+    h, w = rgb.shape[0] // p, rgb.shape[1] // p
+    data = rgb.tobytes()
+    digest = hashlib.sha256(b"rgb" + np.array([1, h, w, p], dtype=np.int64).tobytes() + data).hexdigest()
+    return ImageInput(offset=offset, tokens=h * w // m ** 2, grid=[1, h, w], pixels=b"", digest=digest, rgb=data)
 
 
 def read_image_url(url: str, processor: ImageProcessor):

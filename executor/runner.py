@@ -15,6 +15,7 @@ from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
 from ..messages import Batch, ImageInput, SamplingParams, SegmentSpec, TokenLogprob
 from ..runtime.faults import SCRIPTED, scripted_output
+from ..vision import ImageProcessor
 from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
@@ -94,6 +95,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.images: dict[int, RequestImages] = {}  # slot -> its request's images
         self.vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image digest -> features, LRU
+        self.image_processor = ImageProcessor.from_checkpoint(model_path, config.vision_config, config.image_token_id) \
+            if config.vision_config is not None else None
         self.images_encoded = 0
         self.compiles: CompileCounter | None = None  # the serving executor's (warm.py)
         self._ple_worker: ThreadPoolExecutor | None = None  # gathers pinned PLE rows ahead (layer-major)
@@ -331,8 +334,7 @@ class ModelRunner:
         todo = list({im.digest: im for im in images if im.digest not in self.vision_cache}.values())
         if not todo:
             return
-        pixels = torch.cat([torch.frombuffer(bytearray(im.pixels), dtype=torch.float32).view(-1, tower.cfg.patch_dim)
-                            for im in todo]).to(self.device)
+        pixels = torch.cat([self._pixel_values(im) for im in todo])
         with torch.inference_mode():
             features = tower(pixels, [tuple(im.grid) for im in todo])
         at = 0
@@ -341,6 +343,20 @@ class ModelRunner:
             self.vision_cache[im.digest] = features[at:at + n]
             at += n
         self.images_encoded += len(todo)
+
+    def _pixel_values(self, image: ImageInput) -> torch.Tensor:
+        """An image's pixel value rows on the device: sent as they are, or computed here from its resized RGB
+        bytes by the checkpoint's image processor."""
+        if not image.rgb:
+            rows = torch.frombuffer(bytearray(image.pixels), dtype=torch.float32)
+            return rows.view(-1, self.model.visual.cfg.patch_dim).to(self.device)
+        t, h, w = image.grid
+        p = self.image_processor.patch_size
+        if t != 1 or len(image.rgb) != h * p * w * p * 3:
+            raise ValueError(f"an image of grid {image.grid} sent {len(image.rgb)} bytes of RGB, not "
+                             f"{h * p} x {w * p} x 3 (patch {p})")
+        rgb = torch.frombuffer(bytearray(image.rgb), dtype=torch.uint8).view(h * p, w * p, 3)
+        return self.image_processor.pixel_values(rgb.to(self.device))
 
     def _request_images(self, images: list[ImageInput]) -> RequestImages:
         for im in images:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..messages import ImageInput
-from ..vision import IMAGE_MARK, ImageError, ImageProcessor, image_input, read_image_url
+from ..vision import IMAGE_MARK, ImageError, ImageProcessor, read_image_url, rgb_input
 from .controls import parse_controls
 from .errors import APIError, bad
 from .logprobs import parse_logprobs
@@ -425,8 +425,8 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
 
 
 def _message_text(m: dict, i: int, images: list | None = None, limits: Limits | None = None) -> str:
-    """A message's content as text; each image part becomes ``IMAGE_MARK`` and its ``(param, pixel_values,
-    grid)`` is appended to ``images``."""
+    """A message's content as text; each image part becomes ``IMAGE_MARK`` and its ``(param, resized RGB)`` is
+    appended to ``images``."""
     content = m.get("content")
     if content is None:
         return ""
@@ -472,10 +472,10 @@ def _image_part(part: dict, param: str, role, images: list | None, limits: Limit
     if len(images) >= processor.max_images:
         raise bad(param, f"'{param}': a request holds at most {processor.max_images} images (--max-images-per-request)")
     try:
-        pixels, grid = processor.preprocess(read_image_url(url, processor))
+        rgb, _ = processor.resize(read_image_url(url, processor))
     except ImageError as e:
         raise bad(param, f"'{param}.image_url.url': {e}") from None
-    images.append((param, pixels, grid))
+    images.append((param, rgb))
     return IMAGE_MARK
 
 
@@ -486,9 +486,9 @@ def _expand_images(ids: list[int], images: list, processor: ImageProcessor) -> t
         raise bad("messages", f"the rendered prompt holds {len(at)} image placeholders for {len(images)} images "
                               "(message text may not contain <|image_pad|>)")
     out, inputs, prev = [], [], 0
-    for k, (_, pixels, grid) in zip(at, images, strict=True):
+    for k, (_, rgb) in zip(at, images, strict=True):
         out += ids[prev:k]
-        inputs.append(image_input(pixels, grid, len(out), processor.merge_size))
+        inputs.append(rgb_input(rgb, len(out), processor))
         out += [processor.image_token_id] * inputs[-1].tokens
         prev = k + 1
     return out + ids[prev:], inputs

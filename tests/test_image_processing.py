@@ -107,3 +107,17 @@ def test_too_many_pixels():
         read_image_url(data_url(encoded(drawn(40, 30), "PNG")), ImageProcessor(max_image_pixels=1000))
     fits = read_image_url(data_url(encoded(drawn(40, 25), "PNG")), ImageProcessor(max_image_pixels=1000))
     assert fits.size == (40, 25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", range(len(SETTINGS)))
+def test_pixel_values_on_the_gpu_equal_the_cpu_gpu(settings):
+    """The executor computes a sent image's pixel values on its device: bit for bit what the CPU computes."""
+    import torch
+
+    s = dict(SETTINGS[settings])
+    processor = ImageProcessor(**s)
+    rgb, _ = processor.resize(drawn(333, 211, seed=settings))
+    want = processor.pixel_values(torch.from_numpy(rgb))
+    got = processor.pixel_values(torch.from_numpy(rgb).cuda())
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)

@@ -153,6 +153,54 @@ def test_bad_image_runs_are_refused(composite):
     assert llm.generate([prompt], max_tokens=2, images=[images])  # the server goes on
 
 
+def test_images_sent_as_rgb_equal_transformers_pixel_values(composite, tmp_path):
+    """Images as a request sends them (resized RGB bytes, the executor computing their pixel values with the
+    checkpoint's image processor, here with CLIP's mean and std) give transformers' greedy ids from its own image
+    processor's pixel values; RGB bytes that do not fit the grid are refused with the sizes."""
+    import json
+    import shutil
+
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from tidal.llm import GenerationError
+    from tidal.messages import ImageInput
+    from tidal.vision import ImageProcessor, rgb_input
+
+    name, path, hf = composite
+    vc = hf.config.vision_config
+    settings = dict(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size, temporal_patch_size=vc.temporal_patch_size,
+                    image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+    size = {"shortest_edge": 256, "longest_edge": 4096}
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(path, ckpt)
+    with open(os.path.join(ckpt, "preprocessor_config.json"), "w") as f:
+        json.dump({**settings, "size": size}, f)
+    ref = Qwen2VLImageProcessorPil(**settings, size=size)
+    processor = ImageProcessor.from_checkpoint(ckpt, vc.to_dict(), IMAGE)
+    rng = np.random.default_rng(7)
+    pictures = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in ((50, 70), (33, 20))]
+    want = ref(images=pictures, return_tensors="np")
+    prompt, images = [5, 6], []
+    for picture in pictures:
+        rgb, grid = processor.resize(picture)
+        prompt.append(95)
+        images.append(rgb_input(rgb, len(prompt), processor))
+        assert images[-1].pixels == b"" and len(images[-1].rgb) == rgb.size
+        prompt += [IMAGE] * images[-1].tokens + [96, 7]
+    assert [im.grid for im in images] == want["image_grid_thw"].tolist()
+    expected = hf_greedy(hf, prompt, torch.from_numpy(want["pixel_values"]), torch.from_numpy(want["image_grid_thw"]), 6)
+    llm = LLM(ckpt, dtype="float32")
+    assert llm.generate([prompt], max_tokens=6, ignore_eos=True, images=[images])[0] == expected
+    short = ImageInput(offset=images[0].offset, tokens=images[0].tokens, grid=images[0].grid, pixels=b"",
+                       digest="0" * 64, rgb=images[0].rgb[:-3])
+    with pytest.raises(GenerationError, match=r"ValueError: an image of grid \[1, \d+, \d+\] sent \d+ bytes of RGB, "
+                                              r"not \d+ x \d+ x 3"):
+        llm.generate([prompt], max_tokens=2, images=[[short, images[1]]])
+    assert llm.generate([prompt], max_tokens=6, ignore_eos=True, images=[images])[0] == expected  # serves on
+
+
 def _tp_rank(rank: int, port: int, path: str, runs, queue) -> None:
     torch.set_num_threads(1)
     from tidal.executor.distributed import init_tp
