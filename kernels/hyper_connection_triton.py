@@ -122,6 +122,12 @@ def _hc_norm_down_kernel(h_ptr, b_ptr, l_ptr, nw_ptr, wd_ptr, new_ptr, normed_pt
 # its weights loading while the kernel before it runs, 2 rows gave the faster step: batch 1's graph 0.870 ms
 # against 0.883 ms with 4.
 NORM_DOWN_CONFIG = (2, 8)
+# The same for streams wider than 2,048 features (flash-next's 2,560, padded to 4,096): 4 weight rows and 8
+# warps took 4.79 us alone at one row (bench_decode_kernels.py --hc-hidden 2560), the fastest measured.
+NORM_DOWN_CONFIG_WIDE = (4, 8)
+# (block_h, num_warps) of hc_mix_tail_triton, for streams of at most 2,048 features and for wider ones (8
+# features and 4 warps: 3.96 us alone at 2,560 features, one row).
+MIX_TAIL_CONFIG, MIX_TAIL_CONFIG_WIDE = (1, 1), (8, 4)
 
 
 def hc_norm_down_triton(streams: torch.Tensor, pending: tuple[torch.Tensor, torch.Tensor] | None, hc: int,
@@ -132,11 +138,12 @@ def hc_norm_down_triton(streams: torch.Tensor, pending: tuple[torch.Tensor, torc
     they are, returned themselves), the grouped RMS norm, and the ``[down; inject]`` projection ``weight
     [N, hc * hidden]``. Every program normalises the rows itself (they are a few KB, read from L2) rather than
     waiting for a norm kernel; a program reads ``block_n`` weight rows (``block_n`` and ``num_warps`` override
-    :data:`NORM_DOWN_CONFIG`).
+    :data:`NORM_DOWN_CONFIG`, or :data:`NORM_DOWN_CONFIG_WIDE` past 2,048 features a stream).
     """
-    block_n, num_warps = block_n or NORM_DOWN_CONFIG[0], num_warps or NORM_DOWN_CONFIG[1]
     rows, width = streams.shape
     hidden = width // hc
+    default = NORM_DOWN_CONFIG if hidden <= 2048 else NORM_DOWN_CONFIG_WIDE
+    block_n, num_warps = block_n or default[0], num_warps or default[1]
     if hidden * hc != width or weight.shape[1] != width or norm_weight.numel() != width:
         raise ValueError(f"streams {tuple(streams.shape)}, norm weight {tuple(norm_weight.shape)} and weight "
                          f"{tuple(weight.shape)} do not fit hc={hc}")
@@ -300,17 +307,20 @@ def _hc_mix_tail_kernel(d_ptr, w_ptr, n_ptr, out_ptr, hidden, lowrank, stride_d,
 
 
 def hc_mix_tail_triton(down_out: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                       block_h: int = 1, num_warps: int = 1) -> torch.Tensor:
+                       block_h: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``hc_block_input(normed, F.linear(hc_gate_act(down_out, hc), up_weight), hc)`` in one launch, for the
     few rows of a decode step (at most :data:`tidal.kernels.common.MAX_ROWS`).
 
     ``down_out [M, lowrank]`` (any row stride, unit column stride: a column slice of the ``[down; inject]``
     GEMV's output), ``up_weight [hc * hidden, lowrank]``, ``normed [M, hc * hidden]``, one dtype. A
     program takes ``block_h`` features of the block input: it reads their ``hc`` rows of ``up_weight`` once,
-    for all rows; the up projection's output never leaves registers.
+    for all rows; the up projection's output never leaves registers. ``block_h`` and ``num_warps`` override
+    :data:`MIX_TAIL_CONFIG`, or :data:`MIX_TAIL_CONFIG_WIDE` past 2,048 features a stream.
     """
     rows, width = normed.shape
     hidden = width // hc
+    default = MIX_TAIL_CONFIG if hidden <= 2048 else MIX_TAIL_CONFIG_WIDE
+    block_h, num_warps = block_h or default[0], num_warps or default[1]
     lowrank = down_out.shape[1]
     if hidden * hc != width or down_out.shape[0] != rows or up_weight.shape != (width, lowrank):
         raise ValueError(f"down_out {tuple(down_out.shape)}, up_weight {tuple(up_weight.shape)} and normed "

@@ -81,10 +81,11 @@ def test_linear_takes_the_gemv_for_few_rows_only(tri, monkeypatch):
     assert calls == [1, gemv_ops.GEMV_ROWS]
 
 
-@pytest.mark.parametrize("rows,hc,hidden,lowrank,block_h", [(1, 4, 64, 24, 4), (3, 3, 48, 20, 8), (8, 4, 40, 33, 16)])
+@pytest.mark.parametrize("rows,hc,hidden,lowrank,block_h", [(1, 4, 64, 24, 4), (3, 3, 48, 20, 8), (8, 4, 40, 33, 16),
+                                                             (2, 4, 2049, 8, None)])
 def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
     """``down`` is a column slice of the stacked GEMV's output (inject logits after it); hidden sizes
-    not a multiple of the program's block."""
+    not a multiple of the program's block; past 2,048 features a stream, the wide default config."""
     g = torch.Generator().manual_seed(rows + hidden)
     down = (3 * torch.randn(rows, lowrank + hc + 3, generator=g)).to(DEV)[:, :lowrank]
     up_w = (torch.randn(hc * hidden, lowrank, generator=g) / lowrank ** 0.5).to(DEV)
@@ -96,11 +97,13 @@ def test_mix_tail_matches_reference(tri, rows, hc, hidden, lowrank, block_h):
 
 
 @pytest.mark.parametrize("rows,hc,hidden,n_out,residual", [(1, 4, 64, 24, True), (3, 3, 48, 23, True),
-                                                           (2, 3, 40, 7, False), (8, 4, 16, 5, True)])
+                                                           (2, 3, 40, 7, False), (8, 4, 16, 5, True),
+                                                           (2, 4, 2049, 9, True)])
 def test_norm_down_matches_reference(tri, rows, hc, hidden, n_out, residual):
     """The residual (or none), the grouped norm and the ``[down; inject]`` GEMV in one kernel, against
     ``hc_residual_norm_ref`` (or ``rms_norm_ref``) and ``F.linear``: hidden sizes not powers of two, three
-    streams, the inject logits a column slice, several programs (2 weight rows each) and a partial last one."""
+    streams, the inject logits a column slice, several programs (2 weight rows each, 4 past 2,048 features) and a
+    partial last one."""
     from tidal.kernels.norm import rms_norm_ref
 
     g = torch.Generator().manual_seed(rows + hidden)
@@ -213,12 +216,14 @@ def test_gpu_gemv_and_mix_match_references(tri, monkeypatch, dtype):
             monkeypatch.setenv("TIDAL_PDL", "0")  # the launch mode changes no value
             assert torch.equal(got, tri[0].gemv_triton(x, w))
             monkeypatch.setenv("TIDAL_PDL", "1")
-        for use_combine, residual in ((True, True), (True, False), (False, True)):
-            m = _hc_module(HC, HIDDEN, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
-            streams = torch.randn(rows, HC * HIDDEN, device="cuda", generator=g).to(dtype)
+        # The bench preset's streams and flash-next's (2,560 features: the wide launch configs).
+        for hidden, use_combine, residual in ((HIDDEN, True, True), (HIDDEN, True, False), (HIDDEN, False, True),
+                                              (2560, True, True), (2560, False, True)):
+            m = _hc_module(HC, hidden, LOWRANK, seed=rows, dtype=dtype, use_combine=use_combine)
+            streams = torch.randn(rows, HC * hidden, device="cuda", generator=g).to(dtype)
             pending = None
             if residual:
-                pending = (torch.randn(rows, HIDDEN, device="cuda", generator=g).to(dtype),
+                pending = (torch.randn(rows, hidden, device="cuda", generator=g).to(dtype),
                            torch.randn(rows, HC, device="cuda", generator=g).to(dtype))
             monkeypatch.setenv("TIDAL_KERNELS", "triton")
             got = m.residual_mix(streams, pending)
