@@ -1,7 +1,7 @@
 """Forward benchmark of tidal on one device: prefill MFU, decode against its HBM floor, kernels
 against their roofline, and transformers' ``Qwen4ExpForCausalLM`` as the peer.
 
-    python benchmarks/bench_forward.py --out DIR [--preset bench] [--lengths 4096,8192,32768]
+    python benchmarks/bench_forward.py --out DIR [--preset bench] [--layers N] [--lengths 4096,8192,32768]
         [--decode-batches 1,8,32] [--decode-context 512] [--decode-steps 32] [--decode-graphs on,off]
         [--peer/--no-peer]
         [--peer-max-seconds 60] [--kernels/--no-kernels] [--kernel-tokens 32768] [--kernel-batch 8]
@@ -835,7 +835,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def report(results: dict[str, Any]) -> str:
     m = results["meta"]
-    out = [f"device {m['device_name']} ({m['device']}), {m['dtype']}, preset {m['preset']}, "
+    layers = f" (first {m['layers']} layers)" if m.get("layers") else ""
+    out = [f"device {m['device_name']} ({m['device']}), {m['dtype']}, preset {m['preset']}{layers}, "
            + ", ".join(f"{k} {v}" for k, v in m["versions"].items())]
     if "peak" in results:
         p, b = results["peak"], results["bandwidth"]
@@ -886,6 +887,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for bench_forward.json")
     ap.add_argument("--preset", default="bench")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the preset's first N decoder layers (and its PLE layers among them): a model too large "
+                         "for the device measured over fewer layers, every floor of the same layers")
     ap.add_argument("--lengths", type=int_list, default=[4096, 8192, 32768], help="prefill lengths, comma-separated")
     ap.add_argument("--decode-batches", type=int_list, default=[1, 8, 32])
     ap.add_argument("--decode-context", type=int, default=512, help="prompt tokens of each decoding request")
@@ -913,6 +917,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def keep_first_layers(ckpt: str, n: int) -> None:
+    """Rewrite ``ckpt``'s config.json with its first ``n`` decoder layers (``--layers``)."""
+    path = os.path.join(ckpt, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if not 1 <= n <= cfg["num_hidden_layers"]:
+        raise SystemExit(f"--layers {n}: the preset has {cfg['num_hidden_layers']} layers")
+    cfg["num_hidden_layers"] = n
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:n]
+    if "ple_layer_ids" in cfg:
+        cfg["ple_layer_ids"] = [i for i in cfg["ple_layer_ids"] if i <= n]
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def formats(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = sorted(set(names) - {"bf16", "nvfp4", "fp8"})
@@ -929,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(ns.out, "bench_forward.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     meta = {"script": "benchmarks/bench_forward.py", "argv": sys.argv[1:] if argv is None else argv,
-            "preset": ns.preset, "device": str(device), "device_name": name, "dtype": ns.dtype,
+            "preset": ns.preset, "layers": ns.layers, "device": str(device), "device_name": name, "dtype": ns.dtype,
             "quantization": ns.quantization, "ple_backend": ns.ple_backend,
             "versions": versions(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(f"device {name}; " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), flush=True)
@@ -937,7 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.merge and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        same = all(old.get("meta", {}).get(k) == meta[k] for k in ("preset", "dtype", "device_name", "quantization"))
+        same = all(old.get("meta", {}).get(k) == meta.get(k)
+                   for k in ("preset", "layers", "dtype", "device_name", "quantization"))
         if same:
             results = {k: v for k, v in old.items() if k != "meta"}
     results["meta"] = meta
@@ -945,6 +966,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="tidal-bench-") as ckpt:
         write_checkpoint(ns.preset, ckpt, weights=False)
+        if ns.layers is not None:
+            keep_first_layers(ckpt, ns.layers)
         config = ModelConfig.from_file(ckpt)
         elem = torch.tensor([], dtype=dtype).element_size()
         results["config"] = {"params_formula": model_parameters(config), "layers": config.num_hidden_layers,

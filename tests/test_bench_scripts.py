@@ -208,6 +208,34 @@ def test_profile_decode_runs_on_cpu(tmp_path):
         assert r["kernels_per_step"] == 0 and r["gpu_busy_ms_per_step"] == 0
 
 
+def test_bench_forward_layers_keeps_the_presets_first_layers(tmp_path, monkeypatch):
+    """``--layers N`` writes the preset's config with its first N decoder layers, the PLE layers among them
+    kept (``ModelConfig.first_layers`` of the whole preset), and refuses more layers than the preset has."""
+    import importlib.util
+
+    import pytest
+
+    from tidal.config.model import ModelConfig
+    from tidal.executor.presets import write_checkpoint
+
+    spec = importlib.util.spec_from_file_location("bench_forward", script("bench_forward.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    for preset, n in (("flash-next", 36), ("small", 5), ("small", 1)):
+        whole, cut = tmp_path / f"{preset}-{n}-whole", tmp_path / f"{preset}-{n}"
+        write_checkpoint(preset, str(whole), weights=False)
+        write_checkpoint(preset, str(cut), weights=False)
+        bench.keep_first_layers(str(cut), n)
+        want, got = ModelConfig.from_file(str(whole)).first_layers(n), ModelConfig.from_file(str(cut))
+        assert got.num_hidden_layers == n and len(got.layer_types) == n
+        assert (got.layer_types, got.ple_layer_ids, got.hidden_size) == \
+            (want.layer_types, want.ple_layer_ids, want.hidden_size)
+    assert ModelConfig.from_file(str(tmp_path / "small-1")).ple_layer_ids == ()
+    with pytest.raises(SystemExit, match="--layers 9: the preset has 8 layers"):
+        bench.keep_first_layers(str(tmp_path / "small-5-whole"), 9)
+
+
 def test_bench_forward_decode_steps_run_on_the_graph_path(tiny_checkpoint, monkeypatch):
     """The benchmark's decode steps are decodes of generated tokens, so the runner's fixed-shape path
     (what a GPU replays as CUDA graphs; eager here) takes every one of them, in both arms: steps one by
