@@ -126,18 +126,24 @@ class ImageProcessor:
 
         as_numpy = isinstance(rgb, np.ndarray)
         x = torch.from_numpy(np.ascontiguousarray(rgb)) if as_numpy else rgb
+        gh, gw = self.rgb_grid(x.shape, x.dtype == torch.uint8, x.dtype)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        if x.dim() != 3 or x.shape[2] != 3 or x.dtype != torch.uint8 or x.shape[0] % (p * m) or x.shape[1] % (p * m):
-            raise ValueError(f"an RGB image of shape {tuple(x.shape)} and dtype {x.dtype}: need uint8 [H, W, 3] with "
-                             f"H and W multiples of {p * m}")
         mean = torch.tensor(self.image_mean, dtype=torch.float32, device=x.device)
         std = torch.tensor(self.image_std, dtype=torch.float32, device=x.device)
         pixels = (((x.double() * self.rescale_factor).float() - mean) / std).permute(2, 0, 1)  # [3, H, W]
-        gh, gw = x.shape[0] // p, x.shape[1] // p
         blocks = pixels.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
         blocks = blocks[:, :, :, :, :, None].expand(*blocks.shape[:5], t, p, p)
         out = blocks.reshape(gh * gw, 3 * t * p * p).contiguous()
         return out.numpy() if as_numpy else out
+
+    def rgb_grid(self, shape, is_uint8: bool, dtype) -> tuple[int, int]:
+        """``(h, w)`` in patches of a resized RGB image of ``shape`` (``is_uint8``: its ``dtype`` is uint8); a
+        ``ValueError`` unless it is ``[H, W, 3]`` uint8 with sides multiples of patch x merge."""
+        side = self.patch_size * self.merge_size
+        if not is_uint8 or len(shape) != 3 or shape[2] != 3 or shape[0] % side or shape[1] % side:
+            raise ValueError(f"an RGB image of shape {tuple(shape)} and dtype {dtype}: need uint8 [H, W, 3] with H "
+                             f"and W multiples of {side}")
+        return shape[0] // self.patch_size, shape[1] // self.patch_size
 
     def preprocess(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
         """``(pixel_values [h * w, patch_dim] float32, (1, h, w))`` of a PIL image: :meth:`resize`, then
@@ -170,14 +176,12 @@ def rgb_input(rgb: np.ndarray, offset: int, processor: ImageProcessor) -> ImageI
     RGB bytes travel instead of pixel values, and the executor computes those with
     :meth:`ImageProcessor.pixel_values`."""
     rgb = np.ascontiguousarray(rgb)
-    p, m = processor.patch_size, processor.merge_size
-    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.shape[0] % (p * m) or rgb.shape[1] % (p * m):
-        raise ValueError(f"an RGB image of shape {rgb.shape} and dtype {rgb.dtype}: need uint8 [H, W, 3] with H and "
-                         f"W multiples of {p * m}")
-    h, w = rgb.shape[0] // p, rgb.shape[1] // p
+    h, w = processor.rgb_grid(rgb.shape, rgb.dtype == np.uint8, rgb.dtype)
     data = rgb.tobytes()
-    digest = hashlib.sha256(b"rgb" + np.array([1, h, w, p], dtype=np.int64).tobytes() + data).hexdigest()
-    return ImageInput(offset=offset, tokens=h * w // m ** 2, grid=[1, h, w], pixels=b"", digest=digest, rgb=data)
+    digest = hashlib.sha256(b"rgb" + np.array([1, h, w, processor.patch_size], dtype=np.int64).tobytes()
+                            + data).hexdigest()
+    return ImageInput(offset=offset, tokens=h * w // processor.merge_size ** 2, grid=[1, h, w], pixels=b"",
+                      digest=digest, rgb=data)
 
 
 def read_image_url(url: str, processor: ImageProcessor):
