@@ -130,8 +130,10 @@ def test_health_and_metrics_answer_while_clients_stream(server, clients):
 @pytest.mark.parametrize("which", ["tiktoken", "tokenizer.json"])
 def test_health_answers_while_a_long_prompt_is_tokenized(request, which, words):
     """A chat message of ``words`` words, about 2.5 tokens each (refused afterwards as longer than the
-    context: the rendering and tokenizing, up to seconds, are the point): ``/health`` answers within 50 ms
-    throughout, and a short request is served meanwhile."""
+    context: the rendering and tokenizing, up to seconds, are the point): ``/health`` answers throughout,
+    95% of probes within 50 ms and every one within 250 ms (on two loaded cores the OS alone can hold one
+    probe back ~100 ms; tokenizing on the event loop would hold one back for the seconds it takes), and a
+    short request is served meanwhile."""
     server = request.getfixturevalue("server" if which == "tiktoken" else "hf_server")
     vocab = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
     text = " ".join(random.Random(3).choice(vocab) + str(i % 97) for i in range(words))
@@ -171,7 +173,9 @@ def test_health_answers_while_a_long_prompt_is_tokenized(request, which, words):
     short = result.get("short")
     assert result["status"] == 400 and "tokens" in result["body"]["error"]["message"], result
     assert len(probes) >= 5, (probes, result)
-    assert max(probes) <= 0.05, (sorted(probes)[-5:], result["elapsed"])
+    probes.sort()
+    p95 = probes[int(0.95 * (len(probes) - 1))]
+    assert p95 <= 0.05 and probes[-1] <= 0.25, (p95, probes[-5:], result["elapsed"])
     assert short is not None and short[1] == 2, short
     if words >= 400_000:  # seconds of tokenizing: the short request does not wait for them
         assert short[0] < result["elapsed"], (short, result["elapsed"])
