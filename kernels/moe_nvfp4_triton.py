@@ -50,6 +50,11 @@ GATHERED = True
 # Interleaved tiles decoded by PTX on packed registers (:func:`fp4_asm`) rather than by Triton's per-value
 # integer operations; never under Triton's interpreter, which runs no PTX.
 ASM = True
+# The decoded weight tile as the MMA's first operand (``out.T = W @ rows.T``, the rows' tile the second, from shared
+# memory): Hopper's wgmma reads that operand from registers, so the decoded tile is never written to shared memory
+# and the MMA of one K tile runs while the next is decoded. The other way round the tile is stored to shared memory
+# first and each MMA is waited for before the next tile is decoded. Interleaved tiles only.
+SWAP = True
 
 
 def use_asm(asm: bool | None) -> bool:
@@ -79,55 +84,68 @@ def fp4_pairs(q_ptrs, s_ptrs, mask):
     return even * s, odd * s
 
 
+# :func:`fp4_asm`'s values are bf16 ``code * scale * 2^-8``: the epilogues multiply it back with the global scale.
+FP4_UNSCALE_ASM = tl.constexpr(256.0)
+# The e4m3 scales are widened to bf16 times 2^118 (at most 448 * 2^118 < 2^127, bf16's largest power of two).
+FP4_SCALE_BIAS = tl.constexpr(2.0 ** 118)
+
+
 @triton.jit
 def fp4_asm(b, s):
-    """:func:`fp4_pairs`' arithmetic on packed registers, four bytes (eight codes) at a time, in PTX: ``b`` uint8
-    bytes, ``s`` their fp16 scales (the same shape); ``(even values, odd values)`` as fp16 ``code * scale * 2^-14``.
-    A byte permute spreads two bytes over the 16-bit halves of a register, masks and shifts place each code's bits
-    (two codes a register), and one ``mul.rn.f16x2`` scales two values (fp16 keeps subnormals)."""
+    """The codes of packed bytes ``b`` (uint8) times their scales ``s`` (bf16 ``scale * 2^118``, the shape of
+    ``b``), four bytes (eight codes) at a time in PTX: ``(even values, odd values)`` as bf16 ``code * scale * 2^-8``.
+    A byte permute spreads two bytes over the 16-bit halves of a register, masks and shifts move each code's sign to
+    bit 15 and its two exponent bits and mantissa bit to the bottom of a bf16's exponent and the top of its mantissa
+    (the code's value times 2^-126; codes 0 and 1 become bf16 subnormals), and one ``fma.rn.bf16x2`` scales two
+    values exactly (at most 6 significant bits; subnormal inputs are kept)."""
     return tl.inline_asm_elementwise(
         asm="""
         {
-        .reg .b32 z, p0, p1, e0, e1, o0, o1, t;
+        .reg .b32 z, nz, p0, p1, e0, e1, o0, o1, t;
         mov.b32 z, 0;
+        mov.b32 nz, 0x80008000;
         prmt.b32 p0, $4, z, 0x4140;
         prmt.b32 p1, $4, z, 0x4342;
         and.b32 e0, p0, 0x00070007;
-        shl.b32 e0, e0, 9;
+        shl.b32 e0, e0, 6;
         and.b32 t, p0, 0x00080008;
         shl.b32 t, t, 12;
         or.b32 e0, e0, t;
         and.b32 e1, p1, 0x00070007;
-        shl.b32 e1, e1, 9;
+        shl.b32 e1, e1, 6;
         and.b32 t, p1, 0x00080008;
         shl.b32 t, t, 12;
         or.b32 e1, e1, t;
         and.b32 o0, p0, 0x00700070;
-        shl.b32 o0, o0, 5;
+        shl.b32 o0, o0, 2;
         and.b32 t, p0, 0x00800080;
         shl.b32 t, t, 8;
         or.b32 o0, o0, t;
         and.b32 o1, p1, 0x00700070;
-        shl.b32 o1, o1, 5;
+        shl.b32 o1, o1, 2;
         and.b32 t, p1, 0x00800080;
         shl.b32 t, t, 8;
         or.b32 o1, o1, t;
-        mul.rn.f16x2 $0, e0, $5;
-        mul.rn.f16x2 $1, e1, $6;
-        mul.rn.f16x2 $2, o0, $5;
-        mul.rn.f16x2 $3, o1, $6;
+        fma.rn.bf16x2 $0, e0, $5, nz;
+        fma.rn.bf16x2 $1, e1, $6, nz;
+        fma.rn.bf16x2 $2, o0, $5, nz;
+        fma.rn.bf16x2 $3, o1, $6, nz;
         }
         """,
-        constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        constraints="=r,=r,=r,=r,r,r,r", args=[b, s], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
 def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     """A tile of packed bytes ``b`` (uint8 ``[BLOCK_N, BLOCK_K / 2]``) and its e4m3 scale bytes ``s`` (``[BLOCK_N,
-    BLOCK_K / GROUP]``) as fp16 ``code * scale * 2^-14`` in column order: the scales converted in hardware and
-    widened to the bytes in registers, each byte's even and odd values joined. ``ASM``: the codes decoded by
-    :func:`fp4_asm` (CUDA only)."""
-    s = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    BLOCK_K / GROUP]``) in column order, each byte's even and odd values joined: fp16 ``code * scale * 2^-14`` by
+    Triton's operations (the scales converted in hardware and widened to the bytes in registers), or with ``ASM``
+    (CUDA only) bf16 ``code * scale * 2^-8`` by :func:`fp4_asm`. :func:`fp4_unscale` gives the factor."""
+    s = s.to(tl.float8e4nv, bitcast=True)
+    if ASM:
+        s = (s.to(tl.float32) * FP4_SCALE_BIAS).to(tl.bfloat16)
+    else:
+        s = s.to(tl.float16)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
     if ASM:
         even, odd = fp4_asm(b, s)
@@ -136,6 +154,14 @@ def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
         even = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.float16, bitcast=True) * s
         odd = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True) * s
     return tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def fp4_unscale(ASM: tl.constexpr):
+    """What :func:`fp4_tile`'s values are to be multiplied by (with the global scale)."""
+    if ASM:
+        return FP4_UNSCALE_ASM
+    return FP4_UNSCALE
 
 
 @triton.jit
@@ -148,14 +174,14 @@ def fp4_scales(s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
-    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows at ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]`` pointers to
-    each row's packed bytes and scale bytes, ``rmask`` the real rows; ``kdim`` values a row) as :func:`fp4_tile`
-    decodes them."""
+def fp4_interleaved(q_rows, s, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ASM: tl.constexpr = False):
+    """Columns ``k0 .. k0 + BLOCK_K`` of the NVFP4 rows whose packed bytes ``q_rows`` (``[BLOCK_N, 1]`` pointers,
+    ``rmask`` the real rows; ``kdim`` values a row) points to and whose scale bytes there are ``s`` (from
+    :func:`fp4_scales`), as :func:`fp4_tile` decodes them."""
     half = tl.arange(0, BLOCK_K // 2)
     b = tl.load(q_rows + k0 // 2 + half[None, :], mask=rmask[:, None] & (2 * half < kdim - k0)[None, :], other=0)
-    return fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
+    return fp4_tile(b, s, GROUP, BLOCK_N, BLOCK_K, ASM)
 
 
 @triton.jit
@@ -183,19 +209,23 @@ def _mma(a, w, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mma_interleaved(a, q_rows, s_rows, rmask, k0, kdim, acc, q_desc, desc_row, IEEE: tl.constexpr,
-                     ASM: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _mma_interleaved(a, q_rows, s, rmask, k0, kdim, acc, q_desc, desc_row, IEEE: tl.constexpr, ASM: tl.constexpr,
+                     TMA: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr):
     """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a`` from :func:`_a_cols`), ``w`` the NVFP4 rows whose
-    packed bytes and scale bytes ``q_rows`` / ``s_rows`` (``[BLOCK_N, 1]``, ``rmask``) point to, decoded in column
-    order (one MMA). ``TMA``: the packed bytes copied by ``q_desc`` (the stack's bytes viewed ``[rows, kdim / 2]``)
-    from row ``desc_row`` on, zero past the stack (the scales by pointer)."""
+    packed bytes ``q_rows`` (``[BLOCK_N, 1]``, ``rmask``) points to, with scale bytes ``s`` (:func:`fp4_scales`),
+    decoded in column order (one MMA); with ``SWAP`` ``acc + w @ a.T`` (``acc`` transposed). ``TMA``: the packed
+    bytes copied by ``q_desc`` (the stack's bytes viewed ``[rows, kdim / 2]``) from row ``desc_row`` on, zero past
+    the stack."""
     if TMA:
-        b = q_desc.load([desc_row, k0 // 2])
-        w = fp4_tile(b, fp4_scales(s_rows, rmask, k0, kdim, GROUP, BLOCK_K), GROUP, BLOCK_N, BLOCK_K, ASM)
+        w = fp4_tile(q_desc.load([desc_row, k0 // 2]), s, GROUP, BLOCK_N, BLOCK_K, ASM)
     else:
-        w = fp4_interleaved(q_rows, s_rows, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
-    return _mma(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+        w = fp4_interleaved(q_rows, s, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
+    if SWAP:
+        acc = _mma(w.to(a.dtype), tl.trans(a), acc, IEEE)
+    else:
+        acc = _mma(a, tl.trans(w.to(a.dtype)), acc, IEEE)
+    return acc
 
 
 @triton.jit
@@ -216,7 +246,7 @@ def _sorted_gate_up_fp4_kernel(
     x_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
     TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
-    GATHERED: tl.constexpr, GROUP: tl.constexpr,
+    GATHERED: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -236,26 +266,43 @@ def _sorted_gate_up_fp4_kernel(
     g_s = s_ptr + gate_rows[:, None] * (hidden // GROUP)
     u_q = g_q + inter * (hidden // 2)
     u_s = g_s + inter * (hidden // GROUP)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:  # the accumulators transposed: [columns, rows]
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first = tl.min(rows, 0)
+    # Each K tile's scale bytes are loaded one tile ahead (a load by pointer the pipeline does not cover).
+    g_sc = fp4_scales(g_s, cmask, 0, hidden, GROUP, BLOCK_K)
+    u_sc = fp4_scales(u_s, cmask, 0, hidden, GROUP, BLOCK_K)
     for k0 in range(0, hidden, BLOCK_K):  # the activation tile loaded once for the gate and the up tile
         if INTERLEAVE:
+            g_next = fp4_scales(g_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K)
+            u_next = fp4_scales(u_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K)
             if GATHERED:  # the rows copied in expert order before: a tile's rows are consecutive there
                 a = a_desc.load([first, k0])
             else:
                 a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
-            acc_g = _mma_interleaved(a, g_q, g_s, cmask, k0, hidden, acc_g, q_desc, row0, IEEE, ASM, TMA, GROUP,
-                                     BLOCK_N, BLOCK_K)
-            acc_u = _mma_interleaved(a, u_q, u_s, cmask, k0, hidden, acc_u, q_desc, row0 + inter, IEEE, ASM, TMA,
+            acc_g = _mma_interleaved(a, g_q, g_sc, cmask, k0, hidden, acc_g, q_desc, row0, IEEE, ASM, TMA, SWAP,
                                      GROUP, BLOCK_N, BLOCK_K)
+            acc_u = _mma_interleaved(a, u_q, u_sc, cmask, k0, hidden, acc_u, q_desc, row0 + inter, IEEE, ASM, TMA,
+                                     SWAP, GROUP, BLOCK_N, BLOCK_K)
+            g_sc, u_sc = g_next, u_next
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, hidden, BLOCK_K)
             acc_g = _mma_pairs(a_even, a_odd, g_q, g_s, cmask, k0, hidden, acc_g, IEEE, GROUP, BLOCK_K)
             acc_u = _mma_pairs(a_even, a_odd, u_q, u_s, cmask, k0, hidden, acc_u, IEEE, GROUP, BLOCK_K)
-    acc_g *= tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
-    acc_u *= tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    g2 = tl.load(s2_ptr + gate_rows, mask=cmask, other=0.0) * fp4_unscale(ASM)
+    u2 = tl.load(s2_ptr + gate_rows + inter, mask=cmask, other=0.0) * fp4_unscale(ASM)
+    if SWAP:
+        acc_g *= g2[:, None]
+        acc_u *= u2[:, None]
+        act = tl.trans((acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(out_ptr.dtype.element_ty))
+    else:
+        acc_g *= g2[None, :]
+        acc_u *= u2[None, :]
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
@@ -264,7 +311,8 @@ def _sorted_gate_up_fp4_kernel(
 def _sorted_down_fp4_kernel(
     a_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
-    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
+    IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -279,22 +327,32 @@ def _sorted_down_fp4_kernel(
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * sa_m
     w_q = q_ptr + w_rows[:, None] * (inter // 2)
     w_s = s_ptr + w_rows[:, None] * (inter // GROUP)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     first = tl.min(rows, 0)  # the tile's rows are consecutive: with TMA its activation tiles are copied too
+    sc = fp4_scales(w_s, cmask, 0, inter, GROUP, BLOCK_K)  # each K tile's scales loaded one tile ahead
     for k0 in range(0, inter, BLOCK_K):
         if INTERLEAVE:
+            next_sc = fp4_scales(w_s, cmask, k0 + BLOCK_K, inter, GROUP, BLOCK_K)
             if TMA:
                 a = a_desc.load([first, k0])
             else:
                 a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
-            acc = _mma_interleaved(a, w_q, w_s, cmask, k0, inter, acc, q_desc, expert * hidden + pid_n * BLOCK_N,
-                                   IEEE, ASM, TMA, GROUP, BLOCK_N, BLOCK_K)
+            acc = _mma_interleaved(a, w_q, sc, cmask, k0, inter, acc, q_desc, expert * hidden + pid_n * BLOCK_N,
+                                   IEEE, ASM, TMA, SWAP, GROUP, BLOCK_N, BLOCK_K)
+            sc = next_sc
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, inter, BLOCK_K)
             acc = _mma_pairs(a_even, a_odd, w_q, w_s, cmask, k0, inter, acc, IEEE, GROUP, BLOCK_K)
-    acc *= tl.load(s2_ptr + w_rows, mask=cmask, other=0.0)[None, :] * FP4_UNSCALE
+    w2 = tl.load(s2_ptr + w_rows, mask=cmask, other=0.0) * fp4_unscale(ASM)
+    if SWAP:
+        out = tl.trans((acc * w2[:, None]).to(out_ptr.dtype.element_ty))
+    else:
+        out = (acc * w2[None, :]).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
+    tl.store(out_ptrs, out, mask=valid[:, None] & cmask[None, :])
 
 
 def _check(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, rows: int, cols: int) -> None:
@@ -327,14 +385,14 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, G
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
-                         asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None
-                         ) -> torch.Tensor:
+                         asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None,
+                         swap: bool | None = None) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma`` and
-    ``gathered`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA` and
-    :data:`GATHERED`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma``, ``gathered``
+    and ``swap`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`
+    and :data:`SWAP`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -353,8 +411,9 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
         x, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
-        TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
-        GATHERED=a_desc is not None, GROUP=NVFP4_GROUP,
+        TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=interleave and use_asm(asm),
+        TMA=desc is not None, GATHERED=a_desc is not None, SWAP=interleave and (SWAP if swap is None else swap),
+        GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
@@ -363,13 +422,13 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                       scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
-                      interleave: bool | None = None, asm: bool | None = None, tma: bool | None = None
-                      ) -> torch.Tensor:
+                      interleave: bool | None = None, asm: bool | None = None, tma: bool | None = None,
+                      swap: bool | None = None) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
     1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config``,
-    ``interleave``, ``asm`` and ``tma`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM` and
-    :data:`TMA`."""
+    ``interleave``, ``asm``, ``tma`` and ``swap`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`,
+    :data:`TMA` and :data:`SWAP`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -390,8 +449,8 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
         act, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
-        IEEE=act.dtype == torch.float32, INTERLEAVE=interleave, ASM=use_asm(asm), TMA=desc is not None,
-        GROUP=NVFP4_GROUP,
+        IEEE=act.dtype == torch.float32, INTERLEAVE=interleave, ASM=interleave and use_asm(asm),
+        TMA=desc is not None, SWAP=interleave and (SWAP if swap is None else swap), GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )

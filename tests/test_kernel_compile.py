@@ -51,8 +51,10 @@ def descriptor(tma: bool, gemm) -> str:
     return f"tensordesc<u8[{gemm.block_n}, {gemm.block_k // 2}]>" if tma else "constexpr"
 
 
-def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: bool = False) -> None:
-    """Both NVFP4 grouped GEMMs at their default tiles; the PTX decode is in the code exactly when asked for."""
+def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: bool = False,
+                  swap: bool = False) -> None:
+    """Both NVFP4 grouped GEMMs at their default tiles; the PTX decode is in the code exactly when asked for, and a
+    swapped bf16 MMA takes the decoded tile from registers (its first operand a tensor, not shared memory)."""
     from tidal.kernels import moe_nvfp4_triton
 
     for kernel, (block_m, gemm), extra in (
@@ -64,7 +66,7 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
         types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm),
                  "a_desc": f"tensordesc<{dtype}[{block_m}, {gemm.block_k}]>" if tma else "constexpr"}
         constants = {"TOP_K": 10, "IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "TMA": tma,
-                     "GATHERED": gathered, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n,
+                     "GATHERED": gathered, "SWAP": swap, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n,
                      "BLOCK_K": gemm.block_k}
         constants = {k: v for k, v in constants.items() if k in names}
         if not tma:
@@ -74,6 +76,10 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
         assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
+        if dtype == "bf16":
+            dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
+            assert dots, "no wgmma"
+            assert all(("opIdx = 0" in ln) == swap for ln in dots), "the decoded tile's operand is not as asked"
 
 
 def decode_gemvs(fp4: bool, asm: bool, tokens: int, dtype: str) -> None:
@@ -106,9 +112,10 @@ def gather_rows() -> None:
 
 
 CASES = {
-    **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g}": (grouped_gemms, (dtype, i, a, t, g))
-       for dtype, i, a, t, g in [("bf16", *d, d[0], d[0]) for d in DECODES]
-       + [("bf16", True, False, True, False), ("bf16", True, False, False, False)]},
+    **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g} swap={s}": (grouped_gemms, (dtype, i, a, t, g, s))
+       for dtype, i, a, t, g, s in [("bf16", *d, d[0], d[0], d[0]) for d in DECODES]
+       + [("bf16", True, True, True, True, False), ("bf16", True, False, True, False, True),
+          ("bf16", True, False, False, False, True), ("fp32", True, True, True, True, True)]},
     **{f"gemv tokens={n} fp4={f} asm={a} {dtype}": (decode_gemvs, (f, a, n, dtype))
        for n, f, a, dtype in [(1, True, False, "bf16"), (1, True, True, "bf16"), (32, True, True, "bf16"),
                               (1, True, True, "fp16"), (1, False, False, "bf16")]},

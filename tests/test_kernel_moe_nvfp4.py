@@ -62,29 +62,32 @@ SMALL = (16, GemmConfig(16, 32, 4, 2))
 ASM = [False, True] if torch.cuda.is_available() else [False]
 
 
-@pytest.mark.parametrize("interleave,asm,tma,gathered", [(True, a, True, False) for a in ASM]
-                         + [(True, False, True, True), (True, False, False, False), (False, False, False, False)])
+@pytest.mark.parametrize("interleave,asm,tma,gathered,swap", [
+    *[(True, a, True, False, s) for a in ASM for s in (True, False)],
+    (True, False, True, True, True), (True, False, False, False, True), (True, False, False, False, False),
+    (False, False, False, False, False)])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3)])
 @pytest.mark.parametrize("hidden,inter,config", [
     (64, 32, SMALL),
     (48, 48, (16, GemmConfig(32, 64, 4, 2))),  # masked last K tile and last column tile
 ])
 def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config, interleave, asm,
-                                                                tma, gathered):
+                                                                tma, gathered, swap):
     """Both ways of feeding the MMA (one over the interleaved tile, two over even and odd columns), the interleaved
     tile decoded by Triton's operations and (on CUDA) by PTX, its bytes copied by a tensor descriptor (where rows
-    are 16-byte aligned: not at hidden 48) or by pointer; the rows gathered inside the GEMM or copied first."""
+    are 16-byte aligned: not at hidden 48) or by pointer; the rows gathered inside the GEMM or copied first; the
+    weight tile as the MMA's first operand (the output transposed) or its second."""
     x, ids, _, gate_up, down = case(tokens, top_k, 8, hidden, inter, empty=(6, 7))
     sorted_ids, order, ends = sorted_rows(ids, 8)
     w = gate_up.dequantize()
     h = torch.stack([x[t // top_k] @ w[e].T for t, e in zip(order.tolist(), sorted_ids.tolist(), strict=True)])
     ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config, interleave, asm, tma,
-                                                gathered)
+                                                gathered, swap)
     torch.testing.assert_close(act, ref, atol=1e-4, rtol=1e-4)  # fp32, summed in another order
     d = down.dequantize()
     ref_down = torch.stack([act[i] @ d[e].T for i, e in enumerate(sorted_ids.tolist())])
-    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave, asm, tma)
+    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave, asm, tma, swap)
     torch.testing.assert_close(out, ref_down, atol=1e-4, rtol=1e-4)
 
 

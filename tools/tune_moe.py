@@ -2,6 +2,7 @@
 
     python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
         [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10] [--gemv-arms bf16,triton,asm,grouped]
+        [--nvfp4-variants asm,asm-swap] [--nvfp4-configs "128,128,128,8,3;64,128,128,4,3"]
 
 The bench shapes by default (512 experts, top-10, hidden 2048, intermediate 512; ``flash-next``'s are
 ``--hidden 2560 --intermediate 640``), bf16, softmax-top-k routing of random logits; an empty ``--tokens`` or
@@ -18,7 +19,8 @@ experts), each against the bf16 path at the same shapes and against the experts 
 path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
 and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant of the grouped
 GEMMs decodes its tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied
-by descriptor or by pointer, its rows gathered inside the GEMM or copied first (:data:`VARIANTS`); the GEMVs decode
+by descriptor or by pointer, its rows gathered inside the GEMM or copied first, the decoded tile the MMA's first
+operand (from registers) or its second (:data:`VARIANTS`); the GEMVs decode
 codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``); the ``grouped`` arm times the grouped GEMMs
 at the decode token counts (:data:`DECODE_GEMM_CONFIGS`).
 """
@@ -81,13 +83,13 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
                                   (128, 128, 128, 8, 2), (256, 64, 64, 8, 3))]]
 
 
-# NVFP4 passes: (block_m, block_n, block_k in values, warps, stages).
+# NVFP4 passes: (block_m, block_n, block_k in values, warps, stages); ``--nvfp4-configs`` replaces them.
 NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 64, 8, 3)]
-# (interleave, asm, tma, gathered): how a weight tile is decoded and fed to the MMA, and how the tiles arrive
-# (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED).
-VARIANTS = {(True, False, True, True): "interleave tma gathered", (True, True, True, True): "+asm",
-            (True, False, True, False): "interleave tma", (True, False, False, False): "interleave",
-            (False, False, False, False): "even/odd"}
+# name -> (interleave, asm, tma, gathered, swap): how a weight tile is decoded and fed to the MMA, and how the tiles
+# arrive (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED, SWAP); ``--nvfp4-variants`` picks some.
+VARIANTS = {"tma-gathered": (True, False, True, True, False), "asm": (True, True, True, True, False),
+            "asm-swap": (True, True, True, True, True), "tma": (True, False, True, False, False),
+            "pointer": (True, False, False, False, False), "even-odd": (False, False, False, False, False)}
 # How the decode GEMVs decode NVFP4 codes (moe_decode_triton.FP4_ASM).
 DECODES = {False: "triton", True: "asm"}
 # (block_m, block_n, block_k, num_warps, num_stages) of both grouped GEMMs in the decode sweep's "grouped" arm: the
@@ -117,7 +119,8 @@ def timed(fn, graph: bool) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator) -> None:
+def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator,
+                configs: list[tuple[int, ...]], variants: list[str]) -> None:
     experts, inter, hidden = gate_up.shape[0], gate_up.shape[1] // 2, gate_up.shape[2]
     x, ids, weights = routing(tokens, experts, top_k, hidden, g)
     sorted_ids, order = torch.sort(ids.flatten(), stable=True)
@@ -133,18 +136,19 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
             ("gate_up", lambda cfg, v: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k,
                                                                              cfg, *v),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
-            ("down", lambda cfg, v: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, *v[:3]),
+            ("down", lambda cfg, v: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, *v[:3],
+                                                                       swap=v[4]),
              lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
         ms = timed(ref, False)
         print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
-        for (bm, bn, bk, w, s), variant in itertools.product(NVFP4_CONFIGS, VARIANTS):
-            if name == "down" and variant == (True, False, True, False):  # its rows are in expert order already:
-                continue                                                    # the same as the gathered variant
+        for (bm, bn, bk, w, s), variant in itertools.product(configs, variants):
+            if name == "down" and variant == "tma":  # its rows are in expert order already: the gathered variant
+                continue
             cfg = (bm, moe_triton.GemmConfig(bn, bk, w, s))
-            label = f"m{bm} n{bn} k{bk} w{w} s{s} {VARIANTS[variant]}"
+            label = f"m{bm} n{bn} k{bk} w{w} s{s} {variant}"
             try:
-                diff = (make(cfg, variant).float() - exact[name]).abs().max().item()
-                ms = timed(functools.partial(make, cfg, variant), False)
+                diff = (make(cfg, VARIANTS[variant]).float() - exact[name]).abs().max().item()
+                ms = timed(functools.partial(make, cfg, VARIANTS[variant]), False)
             except Exception as e:  # out of shared memory or registers for this config
                 print(f"  {label}: {type(e).__name__}", flush=True)
                 continue
@@ -222,7 +226,17 @@ def main() -> None:
     ap.add_argument("--gemv-arms", default="bf16,triton,asm,grouped",
                     help="decode arms: GEMVs over bf16 experts, over NVFP4 decoded by Triton's operations (triton) or "
                          "by PTX (asm); the NVFP4 grouped GEMMs of prefill (grouped)")
+    ap.add_argument("--nvfp4-variants", default=",".join(VARIANTS),
+                    help=f"the NVFP4 grouped GEMMs' variants to sweep, of {', '.join(VARIANTS)}")
+    ap.add_argument("--nvfp4-configs", default=";".join(",".join(map(str, c)) for c in NVFP4_CONFIGS),
+                    help="the NVFP4 grouped GEMMs' configs, block_m,block_n,block_k,warps,stages each, ';' between")
     ns = ap.parse_args()
+    variants = [v for v in ns.nvfp4_variants.split(",") if v]
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"--nvfp4-variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    configs = [tuple(int(v) for v in c.split(",")) for c in ns.nvfp4_configs.split(";") if c]
+    if any(len(c) != 5 for c in configs):
+        ap.error("--nvfp4-configs: five integers a config (block_m,block_n,block_k,warps,stages)")
     experts, hidden, inter, top_k = ns.experts, ns.hidden, ns.intermediate, ns.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).bfloat16()
@@ -236,7 +250,7 @@ def main() -> None:
 
     q_gate_up, q_down = quantize_experts(gate_up, [inter, inter], "nvfp4"), quantize_experts(down, [hidden], "nvfp4")
     for tokens in counts:
-        sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, top_k, g)
+        sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, top_k, g, configs, variants)
     for tokens in (int(t) for t in ns.decode_tokens.split(",") if t):
         sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g, ns.gemv_arms.split(","))
 
