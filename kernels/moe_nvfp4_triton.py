@@ -34,9 +34,11 @@ from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
 
 # (block_m, config) of each pass; block_k counts values (half as many bytes). Every row count takes the same
-# tiles, so a row's arithmetic never depends on how many rows share its forward.
-GATE_UP_CONFIG: tuple[int, GemmConfig] = (64, GemmConfig(128, 128, 4, 3))
-DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 128, 8, 3))
+# tiles, so a row's arithmetic never depends on how many rows share its forward. The fastest of `tools/tune_moe.py
+# --quantization nvfp4`'s sweep with the decoded tile from registers (:data:`SWAP`) at 4,096 and 32,768 tokens, at
+# the bench shapes and at flash-next's (hidden 2,560, intermediate 640).
+GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 4, 3))
+DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 4))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
 INTERLEAVE = True
