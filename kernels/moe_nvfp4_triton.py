@@ -376,11 +376,21 @@ def _descriptor(packed: torch.Tensor, gemm: GemmConfig, interleave: bool, tma: b
     return TensorDescriptor.from_tensor(packed.view(rows, nbytes), [gemm.block_n, gemm.block_k // 2])
 
 
-def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int) -> tuple[int, GemmConfig]:
-    """Tiles no wider than the problem (at least 32 values of K: two MMAs of 16)."""
+# What the pipelined tiles of one program may take of shared memory: an H100's or H200's 227 KiB, less room for
+# the epilogue's and the layout conversions' scratch.
+SMEM_BUDGET = 160 * 1024
+
+
+def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int, act_bytes: int, weight_tiles: int
+         ) -> tuple[int, GemmConfig]:
+    """Tiles no wider than the problem (at least 32 values of K: two MMAs of 16), and K tiles halved until the
+    pipeline's stages of activation tiles (``act_bytes`` a value: float32 takes twice bf16's room) and
+    ``weight_tiles`` packed weight tiles fit :data:`SMEM_BUDGET`."""
     block_m, gemm = config
     block_n = min(gemm.block_n, max(16, triton.next_power_of_2(n_dim)))
     block_k = min(gemm.block_k, max(32, triton.next_power_of_2(k_dim)))
+    while block_k > 32 and gemm.num_stages * block_k * (block_m * act_bytes + weight_tiles * block_n // 2) > SMEM_BUDGET:
+        block_k //= 2
     return block_m, GemmConfig(block_n, block_k, gemm.num_warps, gemm.num_stages)
 
 
@@ -399,7 +409,7 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
     assert ends.shape == (num_experts,) and x.stride(1) == 1
-    block_m, gemm = _fit(config or GATE_UP_CONFIG, inter, hidden)
+    block_m, gemm = _fit(config or GATE_UP_CONFIG, inter, hidden, x.element_size(), 2)
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
@@ -435,7 +445,7 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
     assert ends.shape == (num_experts,) and act.stride(1) == 1
-    block_m, gemm = _fit(config or DOWN_CONFIG, hidden, inter)
+    block_m, gemm = _fit(config or DOWN_CONFIG, hidden, inter, act.element_size(), 1)
     out = torch.empty(rows, hidden, dtype=act.dtype, device=act.device)
     if rows == 0:
         return out

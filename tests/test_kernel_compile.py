@@ -23,6 +23,8 @@ import pytest
 TRITON = find_spec("triton")
 PTXAS = os.path.join(TRITON.submodule_search_locations[0], "backends", "nvidia", "bin", "ptxas") if TRITON else ""
 pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="no triton, or a triton install without ptxas")
+# An H100's or H200's shared memory a block (bytes): a launch asking for more fails.
+SMEM_LIMIT = 232448
 # (interleave, asm): the ways a weight tile is decoded.
 DECODES = [(True, False), (True, True), (False, False)]
 
@@ -53,14 +55,18 @@ def descriptor(tma: bool, gemm) -> str:
 
 def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: bool = False,
                   swap: bool = False) -> None:
-    """Both NVFP4 grouped GEMMs at their default tiles; the PTX decode is in the code exactly when asked for, and a
-    swapped bf16 MMA takes the decoded tile from registers (its first operand a tensor, not shared memory)."""
+    """Both NVFP4 grouped GEMMs at their default tiles as fitted to ``dtype``; the PTX decode is in the code exactly
+    when asked for, the shared memory fits a block, and a swapped bf16 MMA takes the decoded tile from registers
+    (its first operand a tensor, not shared memory)."""
     from tidal.kernels import moe_nvfp4_triton
 
-    for kernel, (block_m, gemm), extra in (
-            (moe_nvfp4_triton._sorted_gate_up_fp4_kernel, moe_nvfp4_triton.GATE_UP_CONFIG,
+    act_bytes = 4 if dtype == "fp32" else 2
+    for kernel, (block_m, gemm), extra in (  # the tiles the launchers take at flash-next's shapes
+            (moe_nvfp4_triton._sorted_gate_up_fp4_kernel,
+             moe_nvfp4_triton._fit(moe_nvfp4_triton.GATE_UP_CONFIG, 640, 2560, act_bytes, 2),
              {"x_ptr": f"*{dtype}", "order_ptr": "*i64", "sx_t": "i32"}),
-            (moe_nvfp4_triton._sorted_down_fp4_kernel, moe_nvfp4_triton.DOWN_CONFIG,
+            (moe_nvfp4_triton._sorted_down_fp4_kernel,
+             moe_nvfp4_triton._fit(moe_nvfp4_triton.DOWN_CONFIG, 2560, 640, act_bytes, 1),
              {"a_ptr": f"*{dtype}", "sa_m": "i32"})):
         names = kernel.arg_names
         types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm),
@@ -76,6 +82,7 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
         assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
+        assert compiled.metadata.shared <= SMEM_LIMIT, f"{compiled.metadata.shared} bytes of shared memory"
         if dtype == "bf16":
             dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
             assert dots, "no wgmma"
