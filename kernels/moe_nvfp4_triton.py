@@ -5,12 +5,14 @@ Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTE
 The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
 (one global scale per row). A program copies a tile of packed bytes (by tensor descriptor, :data:`TMA`) and the
-scale byte of each group, decodes both in registers (:func:`fp4_tile`: ``code * scale`` is exact in fp16 and in
-bf16) and feeds the activations' dtype to the tensor cores: the scale tile is widened to its bytes and each byte's
-two values joined in column order (:data:`INTERLEAVE`), or the even and odd columns of the byte tile are two MMAs of
-half the K tile against the activations' even and odd columns (the reduction does not depend on the order of K).
-``scale_2`` is constant along K and multiplies the fp32 accumulator in the epilogue (with the 2^14 the decoded
-values are short of).
+scale byte of each group (one K tile ahead), decodes both in registers (:func:`fp4_tile`: ``code * scale`` is exact
+in bf16, by PTX, :data:`ASM`; in fp16 by Triton's operations) and feeds the activations' dtype to the tensor cores:
+the scale tile is widened to its bytes and each byte's two values joined in column order (:data:`INTERLEAVE`), or
+the even and odd columns of the byte tile are two MMAs of half the K tile against the activations' even and odd
+columns (the reduction does not depend on the order of K). The decoded tile is the MMA's first operand (:data:`SWAP`:
+``out.T = W @ rows.T``), which Hopper's wgmma reads from registers while the rows' tile waits in shared memory, so
+the tensor cores work on one K tile while the next is decoded. ``scale_2`` is constant along K and multiplies the
+fp32 accumulator in the epilogue (with the power of two the decoded values are short of, :func:`fp4_unscale`).
 
 - :func:`sorted_gate_up_nvfp4`: the rows taken through the expert sort (copied in that order first,
   :data:`GATHERED`, or gathered inside), gate and up tiles side by side, ``silu(gate) * up`` in the epilogue (the
@@ -389,7 +391,8 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int, act_bytes: int,
     block_m, gemm = config
     block_n = min(gemm.block_n, max(16, triton.next_power_of_2(n_dim)))
     block_k = min(gemm.block_k, max(32, triton.next_power_of_2(k_dim)))
-    while block_k > 32 and gemm.num_stages * block_k * (block_m * act_bytes + weight_tiles * block_n // 2) > SMEM_BUDGET:
+    stage_bytes_per_k = block_m * act_bytes + weight_tiles * block_n // 2  # a K value's bytes in one stage
+    while block_k > 32 and gemm.num_stages * block_k * stage_bytes_per_k > SMEM_BUDGET:
         block_k //= 2
     return block_m, GemmConfig(block_n, block_k, gemm.num_warps, gemm.num_stages)
 

@@ -167,7 +167,7 @@ def test_metrics_read_at_first_text_count_the_forward_behind_it(server):
         before = server.wait_idle()
         seen: list[dict[str, float]] = []
         out = stream_sync(server.url, request_body("tiny", f"count me {i}", 4, logprobs=False),
-                          api_key=server.api_key, on_first_text=lambda: seen.append(server.metrics()))
+                          api_key=server.api_key, on_first_text=lambda seen=seen: seen.append(server.metrics()))
         assert out["status"] == 200 and seen, out
         for name in ("tidal_scheduler_prefill_forwards_total", "tidal_scheduler_generation_tokens_total"):
             assert seen[0][name] >= before[name] + 1, (i, name, before[name], seen[0][name])

@@ -170,7 +170,8 @@ def test_images_sent_as_rgb_equal_transformers_pixel_values(composite, tmp_path)
 
     name, path, hf = composite
     vc = hf.config.vision_config
-    settings = dict(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size, temporal_patch_size=vc.temporal_patch_size,
+    settings = dict(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                    temporal_patch_size=vc.temporal_patch_size,
                     image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
     size = {"shortest_edge": 256, "longest_edge": 4096}
     ckpt = str(tmp_path / "ckpt")
@@ -190,7 +191,8 @@ def test_images_sent_as_rgb_equal_transformers_pixel_values(composite, tmp_path)
         assert images[-1].pixels == b"" and len(images[-1].rgb) == rgb.size
         prompt += [IMAGE] * images[-1].tokens + [96, 7]
     assert [im.grid for im in images] == want["image_grid_thw"].tolist()
-    expected = hf_greedy(hf, prompt, torch.from_numpy(want["pixel_values"]), torch.from_numpy(want["image_grid_thw"]), 6)
+    expected = hf_greedy(hf, prompt, torch.from_numpy(want["pixel_values"]),
+                         torch.from_numpy(want["image_grid_thw"]), 6)
     llm = LLM(ckpt, dtype="float32")
     assert llm.generate([prompt], max_tokens=6, ignore_eos=True, images=[images])[0] == expected
     short = ImageInput(offset=images[0].offset, tokens=images[0].tokens, grid=images[0].grid, pixels=b"",
