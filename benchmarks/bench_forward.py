@@ -239,10 +239,11 @@ def build_llm(ckpt: str, ns: argparse.Namespace, lengths: list[int], batches: li
     page = 16
     per_request = -(-(ns.decode_context + 2 * (DECODE_WARMUP + ns.decode_steps) + 1) // page) * page
     max_len = max([*lengths, per_request, 2])
-    kv_tokens = max(max_len, max(batches) * per_request) + page
-    return LLM(ckpt, device=ns.device, dtype=ns.dtype, load_format="random", max_prefill_length=max(lengths),
-               max_model_len=max_len, kv_pool_tokens=kv_tokens, max_running_requests=max(batches), page_size=page,
-               quantization=quantization, ple_backend=ns.ple_backend)
+    requests = max(batches, default=1)  # an empty --decode-batches runs prefill only
+    kv_tokens = max(max_len, requests * per_request) + page
+    return LLM(ckpt, device=ns.device, dtype=ns.dtype, load_format="random",
+               max_prefill_length=max(lengths, default=max_len), max_model_len=max_len, kv_pool_tokens=kv_tokens,
+               max_running_requests=requests, page_size=page, quantization=quantization, ple_backend=ns.ple_backend)
 
 
 def bench_prefill(llm: LLM, c: ModelConfig, lengths: list[int], device: torch.device,

@@ -208,6 +208,13 @@ def test_profile_decode_runs_on_cpu(tmp_path):
         assert r["kernels_per_step"] == 0 and r["gpu_busy_ms_per_step"] == 0
 
 
+def test_bench_forward_without_decode_batches_runs_prefill_only(tmp_path):
+    proc = run_script("bench_forward.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
+                      "--dtype", "float32", "--lengths", "32", "--decode-batches", "", "--no-peer", "--no-kernels")
+    res = json.loads((tmp_path / "bench_forward.json").read_text())
+    assert [r["tokens"] for r in res["prefill"]] == [32] and res["decode"] == [], proc.stdout[-2000:]
+
+
 def test_bench_forward_layers_keeps_the_presets_first_layers(tmp_path, monkeypatch):
     """``--layers N`` writes the preset's config with its first N decoder layers, the PLE layers among them
     kept (``ModelConfig.first_layers`` of the whole preset), and refuses more layers than the preset has."""
