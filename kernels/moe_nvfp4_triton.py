@@ -39,7 +39,7 @@ from .quant import NVFP4_GROUP, Nvfp4
 # tiles, so a row's arithmetic never depends on how many rows share its forward. The fastest of `tools/tune_moe.py
 # --quantization nvfp4`'s sweep with the decoded tile from registers (:data:`SWAP`) at 4,096 and 32,768 tokens, at
 # the bench shapes and at flash-next's (hidden 2,560, intermediate 640).
-GATE_UP_CONFIG: tuple[int, GemmConfig] = (64, GemmConfig(128, 128, 8, 3))
+GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 4, 3))
 DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 4))
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
@@ -59,21 +59,11 @@ ASM = True
 # and the MMA of one K tile runs while the next is decoded. The other way round the tile is stored to shared memory
 # first and each MMA is waited for before the next tile is decoded. Interleaved tiles only.
 SWAP = True
-# gate_up's gate and up tiles stacked into one decoded tile and one MMA (``[2 * block_n, block_k]``, with :data:`SWAP`
-# and weight tiles by descriptor), rather than two. ptxas serializes the two MMAs' wgmmas of the loop (its C7513
-# note: each waits for its own result, the tensor cores idle while the next tile is decoded); one MMA a K tile at
-# 128 weight rows over 8 warps is pipelined, the next tile decoded while the MMA runs.
-MERGE = True
-
-
-def _on_gpu() -> bool:
-    """Whether the kernels are compiled for the GPU (not run by Triton's interpreter, which runs no PTX)."""
-    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def use_asm(asm: bool | None) -> bool:
     """Whether a launch decodes by :func:`fp4_asm`: ``asm`` (default :data:`ASM`), and not in the interpreter."""
-    return (ASM if asm is None else asm) and _on_gpu()
+    return (ASM if asm is None else asm) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 # The decoded values are 2^-14 times their true size (see :func:`fp4_pairs`): the epilogues multiply it back with
@@ -171,12 +161,6 @@ def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def _stack(x, y, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``[ROWS, COLS]`` tiles ``x`` and ``y`` stacked along the rows: ``[2 * ROWS, COLS]``."""
-    return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), (2 * ROWS, COLS))
-
-
-@triton.jit
 def fp4_unscale(ASM: tl.constexpr):
     """What :func:`fp4_tile`'s values are to be multiplied by (with the global scale)."""
     if ASM:
@@ -266,7 +250,7 @@ def _sorted_gate_up_fp4_kernel(
     x_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
     TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
-    GATHERED: tl.constexpr, SWAP: tl.constexpr, MERGE: tl.constexpr, GROUP: tl.constexpr,
+    GATHERED: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -296,21 +280,7 @@ def _sorted_gate_up_fp4_kernel(
     # Each K tile's scale bytes are loaded one tile ahead (a load by pointer the pipeline does not cover).
     g_sc = fp4_scales(g_s, cmask, 0, hidden, GROUP, BLOCK_K)
     u_sc = fp4_scales(u_s, cmask, 0, hidden, GROUP, BLOCK_K)
-    if MERGE:  # the gate tile's rows then the up tile's, one MMA: acc [2 * BLOCK_N, BLOCK_M]
-        acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-        sc = _stack(g_sc, u_sc, BLOCK_N, BLOCK_K // GROUP)
-        for k0 in range(0, hidden, BLOCK_K):
-            next_sc = _stack(fp4_scales(g_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K),
-                             fp4_scales(u_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K), BLOCK_N, BLOCK_K // GROUP)
-            if GATHERED:
-                a = a_desc.load([first, k0])
-            else:
-                a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
-            b = _stack(q_desc.load([row0, k0 // 2]), q_desc.load([row0 + inter, k0 // 2]), BLOCK_N, BLOCK_K // 2)
-            acc = _mma(fp4_tile(b, sc, GROUP, 2 * BLOCK_N, BLOCK_K, ASM).to(a.dtype), tl.trans(a), acc, IEEE)
-            sc = next_sc
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-    for k0 in range(0, 0 if MERGE else hidden, BLOCK_K):  # the activation tile loaded once for both tiles
+    for k0 in range(0, hidden, BLOCK_K):  # the activation tile loaded once for the gate and the up tile
         if INTERLEAVE:
             g_next = fp4_scales(g_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K)
             u_next = fp4_scales(u_s, cmask, k0 + BLOCK_K, hidden, GROUP, BLOCK_K)
@@ -431,13 +401,13 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
                          asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None,
-                         swap: bool | None = None, merge: bool | None = None) -> torch.Tensor:
+                         swap: bool | None = None) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma``, ``gathered``,
-    ``swap`` and ``merge`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`,
-    :data:`GATHERED`, :data:`SWAP` and :data:`MERGE`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma``, ``gathered``
+    and ``swap`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`
+    and :data:`SWAP`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -448,10 +418,6 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
         return out
     tile_end, max_tiles = tile_ends(ends, assignments, block_m)
     interleave = INTERLEAVE if interleave is None else interleave
-    swap = interleave and (SWAP if swap is None else swap)
-    # float32 runs its MMAs on CUDA cores, which take both tiles through shared memory: one tile of both would only
-    # double that room.
-    merge = (MERGE if merge is None else merge) and not (x.dtype == torch.float32 and _on_gpu())
     desc = _descriptor(packed, gemm, interleave, tma)
     a_desc = None
     if desc is not None and (GATHERED if gathered is None else gathered) and hidden * x.element_size() % 16 == 0:
@@ -461,7 +427,7 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
         x, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
         TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=interleave and use_asm(asm),
-        TMA=desc is not None, GATHERED=a_desc is not None, SWAP=swap, MERGE=swap and desc is not None and merge,
+        TMA=desc is not None, GATHERED=a_desc is not None, SWAP=interleave and (SWAP if swap is None else swap),
         GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,

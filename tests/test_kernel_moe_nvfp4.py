@@ -62,29 +62,28 @@ SMALL = (16, GemmConfig(16, 32, 4, 2))
 ASM = [False, True] if torch.cuda.is_available() else [False]
 
 
-@pytest.mark.parametrize("interleave,asm,tma,gathered,swap,merge", [
-    *[(True, a, True, False, s, m) for a in ASM for s, m in ((True, True), (True, False), (False, False))],
-    (True, False, True, True, True, True), (True, False, False, False, True, False),
-    (True, False, False, False, False, False), (False, False, False, False, False, False)])
+@pytest.mark.parametrize("interleave,asm,tma,gathered,swap", [
+    *[(True, a, True, False, s) for a in ASM for s in (True, False)],
+    (True, False, True, True, True), (True, False, False, False, True), (True, False, False, False, False),
+    (False, False, False, False, False)])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3)])
 @pytest.mark.parametrize("hidden,inter,config", [
     (64, 32, SMALL),
     (48, 48, (16, GemmConfig(32, 64, 4, 2))),  # masked last K tile and last column tile
 ])
 def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config, interleave, asm,
-                                                                tma, gathered, swap, merge):
+                                                                tma, gathered, swap):
     """Both ways of feeding the MMA (one over the interleaved tile, two over even and odd columns), the interleaved
     tile decoded by Triton's operations and (on CUDA) by PTX, its bytes copied by a tensor descriptor (where rows
     are 16-byte aligned: not at hidden 48) or by pointer; the rows gathered inside the GEMM or copied first; the
-    weight tile as the MMA's first operand (the output transposed) or its second; gate_up's gate and up tiles in one
-    MMA or two."""
+    weight tile as the MMA's first operand (the output transposed) or its second."""
     x, ids, _, gate_up, down = case(tokens, top_k, 8, hidden, inter, empty=(6, 7))
     sorted_ids, order, ends = sorted_rows(ids, 8)
     w = gate_up.dequantize()
     h = torch.stack([x[t // top_k] @ w[e].T for t, e in zip(order.tolist(), sorted_ids.tolist(), strict=True)])
     ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config, interleave, asm, tma,
-                                                gathered, swap, merge)
+                                                gathered, swap)
     torch.testing.assert_close(act, ref, atol=1e-4, rtol=1e-4)  # fp32, summed in another order
     d = down.dequantize()
     ref_down = torch.stack([act[i] @ d[e].T for i, e in enumerate(sorted_ids.tolist())])
@@ -180,15 +179,13 @@ def test_moe_gemv_reads_bf16_activations_as_column_pairs(asm, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("tokens", [1, 37, 4099])
 @pytest.mark.parametrize("shape", [(512, 10, 2048, 512), (512, 10, 2560, 640), (512, 10, 2048, 128)])
-def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape, merge, monkeypatch):
+def test_bench_and_flash_next_expert_shapes_gpu(tokens, shape):
     """bf16 activations at the bench shapes (512 experts, top-10, hidden 2048, intermediate 512), flash-next's
     (hidden 2560, intermediate 640: no power of two) and an intermediate of 128 (an expert's slice under tensor
     parallelism): within bf16's rounding of the reference, which rounds every dequantized weight to bf16 where the
-    kernels keep ``code * scale`` exact. gate_up's gate and up tiles in one MMA and in two, at the default tiles."""
-    monkeypatch.setattr(moe_nvfp4_triton, "MERGE", merge)
+    kernels keep ``code * scale`` exact."""
     experts, top_k, hidden, inter = shape
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)

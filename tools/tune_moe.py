@@ -20,9 +20,9 @@ path (what runs without the kernels); then, for ``--decode-tokens``, the decode 
 and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant of the grouped
 GEMMs decodes its tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied
 by descriptor or by pointer, its rows gathered inside the GEMM or copied first, the decoded tile the MMA's first
-operand (from registers) or its second, gate_up's gate and up tiles in one MMA or two (:data:`VARIANTS`); the GEMVs
-decode codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``); the ``grouped`` arm times the grouped
-GEMMs at the decode token counts (:data:`DECODE_GEMM_CONFIGS`).
+operand (from registers) or its second (:data:`VARIANTS`); the GEMVs decode
+codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``); the ``grouped`` arm times the grouped GEMMs
+at the decode token counts (:data:`DECODE_GEMM_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -85,12 +85,11 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
 
 # NVFP4 passes: (block_m, block_n, block_k in values, warps, stages); ``--nvfp4-configs`` replaces them.
 NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 64, 8, 3)]
-# name -> (interleave, asm, tma, gathered, swap, merge): how a weight tile is decoded and fed to the MMA, and how the
-# tiles arrive (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED, SWAP, MERGE); ``--nvfp4-variants`` picks some.
-VARIANTS = {"tma-gathered": (True, False, True, True, False, False), "asm": (True, True, True, True, False, False),
-            "asm-swap": (True, True, True, True, True, False), "asm-swap-merge": (True, True, True, True, True, True),
-            "tma": (True, False, True, False, False, False), "pointer": (True, False, False, False, False, False),
-            "even-odd": (False, False, False, False, False, False)}
+# name -> (interleave, asm, tma, gathered, swap): how a weight tile is decoded and fed to the MMA, and how the tiles
+# arrive (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED, SWAP); ``--nvfp4-variants`` picks some.
+VARIANTS = {"tma-gathered": (True, False, True, True, False), "asm": (True, True, True, True, False),
+            "asm-swap": (True, True, True, True, True), "tma": (True, False, True, False, False),
+            "pointer": (True, False, False, False, False), "even-odd": (False, False, False, False, False)}
 # How the decode GEMVs decode NVFP4 codes (moe_decode_triton.FP4_ASM).
 DECODES = {False: "triton", True: "asm"}
 # (block_m, block_n, block_k, num_warps, num_stages) of both grouped GEMMs in the decode sweep's "grouped" arm: the
