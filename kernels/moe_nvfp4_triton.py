@@ -10,9 +10,10 @@ in bf16, by PTX, :data:`ASM`; in fp16 by Triton's operations) and feeds the acti
 the scale tile is widened to its bytes and each byte's two values joined in column order (:data:`INTERLEAVE`), or
 the even and odd columns of the byte tile are two MMAs of half the K tile against the activations' even and odd
 columns (the reduction does not depend on the order of K). The decoded tile is the MMA's first operand (:data:`SWAP`:
-``out.T = W @ rows.T``), which Hopper's wgmma reads from registers while the rows' tile waits in shared memory, so
-the tensor cores work on one K tile while the next is decoded. ``scale_2`` is constant along K and multiplies the
-fp32 accumulator in the epilogue (with the power of two the decoded values are short of, :func:`fp4_unscale`).
+``out.T = W @ rows.T``), which Hopper's wgmma reads from registers while the rows' tile waits in shared memory: the
+decoded tile is never stored to shared memory (ptxas still waits for each of gate_up's wgmmas before the next tile is
+decoded; down's run while the next tile is decoded). ``scale_2`` is constant along K and multiplies the fp32
+accumulator in the epilogue (with the power of two the decoded values are short of, :func:`fp4_unscale`).
 
 - :func:`sorted_gate_up_nvfp4`: the rows taken through the expert sort (copied in that order first,
   :data:`GATHERED`, or gathered inside), gate and up tiles side by side, ``silu(gate) * up`` in the epilogue (the
@@ -56,8 +57,9 @@ GATHERED = True
 ASM = True
 # The decoded weight tile as the MMA's first operand (``out.T = W @ rows.T``, the rows' tile the second, from shared
 # memory): Hopper's wgmma reads that operand from registers, so the decoded tile is never written to shared memory
-# and the MMA of one K tile runs while the next is decoded. The other way round the tile is stored to shared memory
-# first and each MMA is waited for before the next tile is decoded. Interleaved tiles only.
+# (down's MMAs then also run while the next tile is decoded; ptxas serializes gate_up's two, its C7513 note). The
+# other way round the tile is stored to shared memory first and each MMA is waited for before the next tile is
+# decoded. Interleaved tiles only.
 SWAP = True
 
 
