@@ -61,6 +61,11 @@ ASM = True
 # other way round the tile is stored to shared memory first and each MMA is waited for before the next tile is
 # decoded. Interleaved tiles only.
 SWAP = True
+# Swapped weight tiles copied as 32-bit words (eight codes each) and decoded two words at a time (:func:`fp4_words`),
+# in an order of K in which each thread's words are the MMA operand's values (:func:`permute_k`; the activations
+# follow it): one shared-memory load a word and no byte permutes to assemble it, where byte tiles load each
+# thread's bytes one by one. Where K is a multiple of :data:`K_CHUNK` and the tiles are copied by descriptor.
+WORDS = True
 
 
 def use_asm(asm: bool | None) -> bool:
@@ -190,6 +195,125 @@ def fp4_interleaved(q_rows, s, rmask, k0, kdim, GROUP: tl.constexpr, BLOCK_N: tl
     return fp4_tile(b, s, GROUP, BLOCK_N, BLOCK_K, ASM)
 
 
+# The span of K over which :func:`fp4_words` reorders columns: a thread's two words (16 values of one scale group)
+# hold the MMA operand's columns ``8j + 2t + p`` of it.
+K_CHUNK = 64
+_K_CHUNK = tl.constexpr(K_CHUNK)
+
+
+def permute_k(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``x`` (last dim a multiple of :data:`K_CHUNK`) with its last dim in the order :func:`fp4_words` decodes
+    weight columns in: position ``64c + 8j + 2t + p`` takes column ``64c + 16t + 8p + j`` (``inverse``: the other
+    way). A copy."""
+    n = x.dim() + 3
+    if inverse:  # [..., c, j, t, p] -> [..., c, t, p, j]
+        return x.unflatten(-1, (-1, 8, 4, 2)).permute(*range(n - 4), n - 4, n - 2, n - 1, n - 3).flatten(-4)
+    return x.unflatten(-1, (-1, 4, 2, 8)).permute(*range(n - 4), n - 4, n - 1, n - 3, n - 2).flatten(-4)
+
+
+@triton.jit
+def k_position(cols):
+    """Where :func:`permute_k` puts column ``cols``."""
+    c = cols % 64
+    return cols - c + 8 * (c % 8) + 2 * (c // 16) + (c // 8) % 2
+
+
+@triton.jit
+def fp4_words_asm(w, s):
+    """Codes of 32-bit words ``w`` (int32, eight codes each, the low nibble first) times their scales ``s`` (bf16
+    ``scale * 2^118``, the shape of ``w``), two words at a time in PTX: eight bf16 tensors ``code * scale * 2^-8``,
+    the ``j``-th of each word's ``j``-th code. Two byte permutes put the two words' low halves side by side and their
+    high halves, then each code's magnitude bits are shifted to the bottom of a bf16's exponent and the top of its
+    mantissa and its sign to bit 15 (as in :func:`fp4_asm`), two values a register, and one ``mul.rn.bf16x2``
+    scales both."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, m, g, t;
+        prmt.b32 lo, $8, $9, 0x5410;
+        prmt.b32 hi, $8, $9, 0x7632;
+        shl.b32 m, lo, 6;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, lo, 12;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $0, t, $10;
+        shl.b32 m, lo, 2;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, lo, 8;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $1, t, $10;
+        shr.b32 m, lo, 2;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, lo, 4;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $2, t, $10;
+        shr.b32 m, lo, 6;
+        and.b32 m, m, 0x01C001C0;
+        and.b32 g, lo, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $3, t, $10;
+        shl.b32 m, hi, 6;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, hi, 12;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $4, t, $10;
+        shl.b32 m, hi, 2;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, hi, 8;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $5, t, $10;
+        shr.b32 m, hi, 2;
+        and.b32 m, m, 0x01C001C0;
+        shl.b32 g, hi, 4;
+        and.b32 g, g, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $6, t, $10;
+        shr.b32 m, hi, 6;
+        and.b32 m, m, 0x01C001C0;
+        and.b32 g, hi, 0x80008000;
+        or.b32 t, m, g;
+        mul.rn.bf16x2 $7, t, $10;
+        }
+        """,
+        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", args=[w, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _fp4_code(w, SHIFT: tl.constexpr):
+    """The code at bit ``SHIFT`` of words ``w`` as fp16 ``code * 2^-14`` (as :func:`fp4_pairs` decodes)."""
+    n = (w >> SHIFT) & 15
+    return (((n & 7) << 9) | ((n & 8) << 12)).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fp4_words(w, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
+    """A tile of packed words ``w`` (int32 ``[BLOCK_N, BLOCK_K / 8]``, a word the codes of eight consecutive columns)
+    and its e4m3 scale bytes ``s`` (``[BLOCK_N, BLOCK_K / GROUP]``) as ``[BLOCK_N, BLOCK_K]`` in :func:`permute_k`'s
+    order of K: fp16 ``code * scale * 2^-14`` by Triton's operations, or with ``ASM`` (CUDA only) bf16 ``code *
+    scale * 2^-8`` by :func:`fp4_words_asm` (:func:`fp4_unscale` gives the factor). In that order the values of
+    two consecutive words (one scale group) are the values of the MMA operand one thread holds."""
+    s = s.to(tl.float8e4nv, bitcast=True)
+    if ASM:
+        s = (s.to(tl.float32) * FP4_SCALE_BIAS).to(tl.bfloat16)
+    else:
+        s = s.to(tl.float16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8))
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = fp4_words_asm(w, s)
+    else:
+        v0, v1, v2, v3 = _fp4_code(w, 0) * s, _fp4_code(w, 4) * s, _fp4_code(w, 8) * s, _fp4_code(w, 12) * s
+        v4, v5, v6, v7 = _fp4_code(w, 16) * s, _fp4_code(w, 20) * s, _fp4_code(w, 24) * s, _fp4_code(w, 28) * s
+    # [n, word, 2, 2, 2]: the last three dims the bits of j (4, 2, 1), v_j the j-th code of each word
+    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    v = tl.reshape(v, (BLOCK_N, BLOCK_K // _K_CHUNK, 4, 2, 8))  # [n, chunk, t, p, j]: column 16t + 8p + j
+    return tl.reshape(tl.permute(v, (0, 1, 4, 2, 3)), (BLOCK_N, BLOCK_K))  # at position 8j + 2t + p
+
+
 @triton.jit
 def _a_cols(a_rows, amask, k0, kdim, BLOCK_K: tl.constexpr):
     """Columns ``k0 .. k0 + BLOCK_K`` of the activation rows at ``a_rows`` (``[BLOCK_M, 1]`` pointers, ``amask``
@@ -216,14 +340,17 @@ def _mma(a, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _mma_interleaved(a, q_rows, s, rmask, k0, kdim, acc, q_desc, desc_row, IEEE: tl.constexpr, ASM: tl.constexpr,
-                     TMA: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     TMA: tl.constexpr, SWAP: tl.constexpr, WORDS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc + a @ w.T`` over columns ``k0 .. k0 + BLOCK_K`` (``a`` from :func:`_a_cols`), ``w`` the NVFP4 rows whose
     packed bytes ``q_rows`` (``[BLOCK_N, 1]``, ``rmask``) points to, with scale bytes ``s`` (:func:`fp4_scales`),
     decoded in column order (one MMA); with ``SWAP`` ``acc + w @ a.T`` (``acc`` transposed). ``TMA``: the packed
     bytes copied by ``q_desc`` (the stack's bytes viewed ``[rows, kdim / 2]``) from row ``desc_row`` on, zero past
-    the stack."""
-    if TMA:
+    the stack. ``WORDS`` (with ``TMA`` and ``SWAP``): ``q_desc`` views them as int32 ``[rows, kdim / 8]``, the tile is
+    decoded by :func:`fp4_words` and ``a``'s columns are in its order."""
+    if WORDS:
+        w = fp4_words(q_desc.load([desc_row, k0 // 8]), s, GROUP, BLOCK_N, BLOCK_K, ASM)
+    elif TMA:
         w = fp4_tile(q_desc.load([desc_row, k0 // 2]), s, GROUP, BLOCK_N, BLOCK_K, ASM)
     else:
         w = fp4_interleaved(q_rows, s, rmask, k0, kdim, GROUP, BLOCK_N, BLOCK_K, ASM)
@@ -252,7 +379,7 @@ def _sorted_gate_up_fp4_kernel(
     x_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, order_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sx_t, so_m,
     TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr,
-    GATHERED: tl.constexpr, SWAP: tl.constexpr, GROUP: tl.constexpr,
+    GATHERED: tl.constexpr, SWAP: tl.constexpr, WORDS: tl.constexpr, PERMUTE_OUT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Column tiles vary fastest, so the programs of one row tile run together and share its gathered rows.
@@ -291,9 +418,9 @@ def _sorted_gate_up_fp4_kernel(
             else:
                 a = _a_cols(a_rows, valid, k0, hidden, BLOCK_K)
             acc_g = _mma_interleaved(a, g_q, g_sc, cmask, k0, hidden, acc_g, q_desc, row0, IEEE, ASM, TMA, SWAP,
-                                     GROUP, BLOCK_N, BLOCK_K)
+                                     WORDS, GROUP, BLOCK_N, BLOCK_K)
             acc_u = _mma_interleaved(a, u_q, u_sc, cmask, k0, hidden, acc_u, q_desc, row0 + inter, IEEE, ASM, TMA,
-                                     SWAP, GROUP, BLOCK_N, BLOCK_K)
+                                     SWAP, WORDS, GROUP, BLOCK_N, BLOCK_K)
             g_sc, u_sc = g_next, u_next
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, hidden, BLOCK_K)
@@ -309,7 +436,10 @@ def _sorted_gate_up_fp4_kernel(
         acc_g *= g2[None, :]
         acc_u *= u2[None, :]
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
+    if PERMUTE_OUT:  # in the order the down pass's word tiles read K in
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + k_position(cols)[None, :]
+    else:
+        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
@@ -318,7 +448,7 @@ def _sorted_down_fp4_kernel(
     a_ptr, a_desc, q_ptr, q_desc, s_ptr, s2_ptr, out_ptr, ends_ptr, tile_end_ptr,
     num_experts, hidden, inter, sa_m, so_m,
     IEEE: tl.constexpr, INTERLEAVE: tl.constexpr, ASM: tl.constexpr, TMA: tl.constexpr, SWAP: tl.constexpr,
-    GROUP: tl.constexpr,
+    WORDS: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_n = tl.cdiv(hidden, BLOCK_N)
@@ -347,7 +477,7 @@ def _sorted_down_fp4_kernel(
             else:
                 a = _a_cols(a_rows, valid, k0, inter, BLOCK_K)
             acc = _mma_interleaved(a, w_q, sc, cmask, k0, inter, acc, q_desc, expert * hidden + pid_n * BLOCK_N,
-                                   IEEE, ASM, TMA, SWAP, GROUP, BLOCK_N, BLOCK_K)
+                                   IEEE, ASM, TMA, SWAP, WORDS, GROUP, BLOCK_N, BLOCK_K)
             sc = next_sc
         else:
             a_even, a_odd = _a_pairs(a_rows, valid, k0, inter, BLOCK_K)
@@ -370,14 +500,25 @@ def _check(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, row
     assert scale_2.shape == (experts, rows, 1) and scale_2.dtype == torch.float32 and scale_2.is_contiguous()
 
 
-def _descriptor(packed: torch.Tensor, gemm: GemmConfig, interleave: bool, tma: bool | None) -> TensorDescriptor | None:
-    """A tensor descriptor of ``packed``'s bytes viewed ``[rows, C/2]`` with ``[block_n, block_k / 2]`` boxes, where
-    the weight tiles are copied by it (``tma``, default :data:`TMA`; interleaved tiles only, 16-byte aligned rows),
-    else None."""
+def _descriptor(packed: torch.Tensor, gemm: GemmConfig, interleave: bool, tma: bool | None, words: bool = False
+                ) -> TensorDescriptor | None:
+    """A tensor descriptor of ``packed``'s bytes viewed ``[rows, C/2]`` with ``[block_n, block_k / 2]`` boxes (with
+    ``words`` as int32 ``[rows, C/8]``, ``[block_n, block_k / 8]`` boxes), where the weight tiles are copied by it
+    (``tma``, default :data:`TMA`; interleaved tiles only, 16-byte aligned rows), else None."""
     rows, nbytes = packed.shape[0] * packed.shape[1], packed.shape[2]
     if not (TMA if tma is None else tma) or not interleave or packed.data_ptr() % 16 or nbytes % 16 or not rows:
         return None
+    if words:
+        return TensorDescriptor.from_tensor(packed.view(rows, nbytes).view(torch.int32),
+                                            [gemm.block_n, gemm.block_k // 8])
     return TensorDescriptor.from_tensor(packed.view(rows, nbytes), [gemm.block_n, gemm.block_k // 2])
+
+
+def _words(words: bool | None, swap: bool, desc: TensorDescriptor | None, k_dim: int, gemm: GemmConfig) -> bool:
+    """Whether a launch reads its weight tiles as words (:data:`WORDS`, or ``words``): swapped tiles copied by
+    descriptor, K and the K tile multiples of :data:`K_CHUNK`."""
+    return ((WORDS if words is None else words) and swap and desc is not None and k_dim % K_CHUNK == 0
+            and gemm.block_k % K_CHUNK == 0)
 
 
 # What the pipelined tiles of one program may take of shared memory: an H100's or H200's 227 KiB, less room for
@@ -403,33 +544,43 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
                          asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None,
-                         swap: bool | None = None) -> torch.Tensor:
+                         swap: bool | None = None, words: bool | None = None, permute_out: bool = False
+                         ) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
-    ``[A, I]`` in ``order``'s order, in ``x``'s dtype. ``config``, ``interleave``, ``asm``, ``tma``, ``gathered``
-    and ``swap`` override :data:`GATE_UP_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`
-    and :data:`SWAP`."""
+    ``[A, I]`` in ``order``'s order, in ``x``'s dtype; with ``permute_out`` its columns in :func:`permute_k`'s order
+    (``I`` a multiple of :data:`K_CHUNK`), which :func:`sorted_down_nvfp4` reads as they are. ``config``,
+    ``interleave``, ``asm``, ``tma``, ``gathered``, ``swap`` and ``words`` override :data:`GATE_UP_CONFIG`,
+    :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`, :data:`SWAP` and :data:`WORDS`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
     assert ends.shape == (num_experts,) and x.stride(1) == 1
+    if permute_out and inter % K_CHUNK:
+        raise ValueError(f"permute_out needs an intermediate size of a multiple of {K_CHUNK}, got {inter}")
     block_m, gemm = _fit(config or GATE_UP_CONFIG, inter, hidden, x.element_size(), 2)
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
     tile_end, max_tiles = tile_ends(ends, assignments, block_m)
     interleave = INTERLEAVE if interleave is None else interleave
+    swap = interleave and (SWAP if swap is None else swap)
     desc = _descriptor(packed, gemm, interleave, tma)
     a_desc = None
     if desc is not None and (GATHERED if gathered is None else gathered) and hidden * x.element_size() % 16 == 0:
-        rows = x.index_select(0, order // top_k)  # [A, H] in expert order
+        words = _words(words, swap, desc, hidden, gemm)
+        if words:  # the word tiles' order of K, the rows' too
+            desc = _descriptor(packed, gemm, interleave, tma, words=True)
+        rows = (permute_k(x) if words else x).index_select(0, order // top_k)  # [A, H] in expert order
         a_desc = TensorDescriptor.from_tensor(rows, [block_m, gemm.block_k])
+    else:
+        words = False
     _sorted_gate_up_fp4_kernel[(max_tiles * triton.cdiv(inter, gemm.block_n),)](
         x, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, order, ends, tile_end,
         num_experts, hidden, inter, x.stride(0), out.stride(0),
         TOP_K=top_k, IEEE=x.dtype == torch.float32, INTERLEAVE=interleave, ASM=interleave and use_asm(asm),
-        TMA=desc is not None, GATHERED=a_desc is not None, SWAP=interleave and (SWAP if swap is None else swap),
+        TMA=desc is not None, GATHERED=a_desc is not None, SWAP=swap, WORDS=words, PERMUTE_OUT=permute_out,
         GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
@@ -440,12 +591,14 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                       scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
                       interleave: bool | None = None, asm: bool | None = None, tma: bool | None = None,
-                      swap: bool | None = None) -> torch.Tensor:
+                      swap: bool | None = None, words: bool | None = None, permuted: bool = False) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
-    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``config``,
-    ``interleave``, ``asm``, ``tma`` and ``swap`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`,
-    :data:`TMA` and :data:`SWAP`."""
+    1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``permuted``: ``act``'s
+    columns are in :func:`permute_k`'s order (``sorted_gate_up_nvfp4(..., permute_out=True)``), which word tiles read
+    as they are (else they take a permuted copy, and other tiles an unpermuted one). ``config``, ``interleave``,
+    ``asm``, ``tma``, ``swap`` and ``words`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`,
+    :data:`TMA`, :data:`SWAP` and :data:`WORDS`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -456,18 +609,24 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
         return out
     tile_end, max_tiles = tile_ends(ends, rows, block_m)
     interleave = INTERLEAVE if interleave is None else interleave
+    swap = interleave and (SWAP if swap is None else swap)
     desc = _descriptor(packed, gemm, interleave, tma)
+    if desc is not None and (act.stride(0) * act.element_size() % 16 or act.data_ptr() % 16
+                             or not act.is_contiguous()):
+        desc = None
+    words = _words(words, swap, desc, inter, gemm)
+    if words != permuted:
+        act = permute_k(act, inverse=permuted)
     a_desc = None
     if desc is not None:  # the activations are in expert order: a tile's rows are consecutive
-        if act.stride(0) * act.element_size() % 16 or act.data_ptr() % 16 or not act.is_contiguous():
-            desc = None
-        else:
-            a_desc = TensorDescriptor.from_tensor(act, [block_m, gemm.block_k])
+        if words:
+            desc = _descriptor(packed, gemm, interleave, tma, words=True)
+        a_desc = TensorDescriptor.from_tensor(act, [block_m, gemm.block_k])
     _sorted_down_fp4_kernel[(max_tiles * triton.cdiv(hidden, gemm.block_n),)](
         act, a_desc, packed, desc, scale.view(torch.uint8), scale_2, out, ends, tile_end,
         num_experts, hidden, inter, act.stride(0), out.stride(0),
         IEEE=act.dtype == torch.float32, INTERLEAVE=interleave, ASM=interleave and use_asm(asm),
-        TMA=desc is not None, SWAP=interleave and (SWAP if swap is None else swap), GROUP=NVFP4_GROUP,
+        TMA=desc is not None, SWAP=swap, WORDS=words, GROUP=NVFP4_GROUP,
         BLOCK_M=block_m, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
         num_warps=gemm.num_warps, num_stages=gemm.num_stages,
     )
@@ -484,7 +643,9 @@ def fused_experts_nvfp4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torc
     ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
                               right=True, out_int32=True)
     x = x if x.stride(1) == 1 else x.contiguous()
-    h = sorted_down_nvfp4(sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k), ends, *down)
+    permute = WORDS and down.packed.shape[2] * 2 % K_CHUNK == 0  # the activation in the down pass's word order
+    h = sorted_down_nvfp4(sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, permute_out=permute), ends, *down,
+                          permuted=permute)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=x.device)
     fold = shared is not None and shared[0].dtype == shared[1].dtype == h.dtype == torch.bfloat16

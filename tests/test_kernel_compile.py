@@ -48,16 +48,19 @@ GEMM = {"q_ptr": "*u8", "s_ptr": "*u8", "s2_ptr": "*fp32", "ends_ptr": "*i32", "
         "num_experts": "i32", "hidden": "i32", "inter": "i32"}
 
 
-def descriptor(tma: bool, gemm) -> str:
-    """The signature of the packed bytes' tensor descriptor argument (``constexpr`` None without one)."""
+def descriptor(tma: bool, gemm, words: bool = False) -> str:
+    """The signature of the packed bytes' tensor descriptor argument (``constexpr`` None without one; ``words``:
+    viewed as int32)."""
+    if words:
+        return f"tensordesc<i32[{gemm.block_n}, {gemm.block_k // 8}]>"
     return f"tensordesc<u8[{gemm.block_n}, {gemm.block_k // 2}]>" if tma else "constexpr"
 
 
 def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: bool = False,
-                  swap: bool = False) -> None:
+                  swap: bool = False, words: bool = False) -> None:
     """Both NVFP4 grouped GEMMs at their default tiles as fitted to ``dtype``; the PTX decode is in the code exactly
-    when asked for, the shared memory fits a block, and a swapped bf16 MMA takes the decoded tile from registers
-    (its first operand a tensor, not shared memory)."""
+    when asked for, the shared memory fits a block, a swapped bf16 MMA takes the decoded tile from registers (its
+    first operand a tensor, not shared memory), and word tiles are read from shared memory as 32-bit words."""
     from tidal.kernels import moe_nvfp4_triton
 
     act_bytes = 4 if dtype == "fp32" else 2
@@ -69,11 +72,11 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
              moe_nvfp4_triton._fit(moe_nvfp4_triton.DOWN_CONFIG, 2560, 640, act_bytes, 1),
              {"a_ptr": f"*{dtype}", "sa_m": "i32"})):
         names = kernel.arg_names
-        types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm),
+        types = {**GEMM, **extra, "out_ptr": f"*{dtype}", "so_m": "i32", "q_desc": descriptor(tma, gemm, words),
                  "a_desc": f"tensordesc<{dtype}[{block_m}, {gemm.block_k}]>" if tma else "constexpr"}
         constants = {"TOP_K": 10, "IEEE": dtype == "fp32", "INTERLEAVE": interleave, "ASM": asm, "TMA": tma,
-                     "GATHERED": gathered, "SWAP": swap, "GROUP": 16, "BLOCK_M": block_m, "BLOCK_N": gemm.block_n,
-                     "BLOCK_K": gemm.block_k}
+                     "GATHERED": gathered, "SWAP": swap, "WORDS": words, "PERMUTE_OUT": words, "GROUP": 16,
+                     "BLOCK_M": block_m, "BLOCK_N": gemm.block_n, "BLOCK_K": gemm.block_k}
         constants = {k: v for k, v in constants.items() if k in names}
         if not tma:
             constants.update({n: None for n in ("q_desc", "a_desc") if n in names})
@@ -81,7 +84,11 @@ def grouped_gemms(dtype: str, interleave: bool, asm: bool, tma: bool, gathered: 
             constants["a_desc"] = None
         compiled = compile_for_h200(kernel, {n: types[n] for n in names if n not in constants}, constants,
                                     gemm.num_warps, gemm.num_stages)
-        assert ("0x4342" in compiled.asm["ptx"]) == asm, "fp4_asm's byte permute where it was not asked for, or none"
+        marker = "0x7632" if words else "0x4342"  # a byte permute of fp4_words_asm or of fp4_asm
+        assert (marker in compiled.asm["ptx"]) == asm, "the PTX decode where it was not asked for, or none"
+        if words:
+            loads = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttg.local_load" in ln and "xi32, #" in ln]
+            assert loads, "the weight tile not loaded from shared memory as words"
         assert compiled.metadata.shared <= SMEM_LIMIT, f"{compiled.metadata.shared} bytes of shared memory"
         if dtype == "bf16":
             dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
@@ -119,10 +126,13 @@ def gather_rows() -> None:
 
 
 CASES = {
-    **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g} swap={s}": (grouped_gemms, (dtype, i, a, t, g, s))
-       for dtype, i, a, t, g, s in [("bf16", *d, d[0], d[0], d[0]) for d in DECODES]
-       + [("bf16", True, True, True, True, False), ("bf16", True, False, True, False, True),
-          ("bf16", True, False, False, False, True), ("fp32", True, True, True, True, True)]},
+    **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g} swap={s} words={w}":
+       (grouped_gemms, (dtype, i, a, t, g, s, w))
+       for dtype, i, a, t, g, s, w in [("bf16", *d, d[0], d[0], d[0], False) for d in DECODES]
+       + [("bf16", True, True, True, True, False, False), ("bf16", True, False, True, False, True, False),
+          ("bf16", True, False, False, False, True, False), ("fp32", True, True, True, True, True, False),
+          ("bf16", True, True, True, True, True, True), ("bf16", True, False, True, True, True, True),
+          ("fp32", True, True, True, True, True, True)]},
     **{f"gemv tokens={n} fp4={f} asm={a} {dtype}": (decode_gemvs, (f, a, n, dtype))
        for n, f, a, dtype in [(1, True, False, "bf16"), (1, True, True, "bf16"), (32, True, True, "bf16"),
                               (1, True, True, "fp16"), (1, False, False, "bf16")]},

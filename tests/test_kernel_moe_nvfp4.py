@@ -7,6 +7,7 @@ Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, f
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -62,33 +63,112 @@ SMALL = (16, GemmConfig(16, 32, 4, 2))
 ASM = [False, True] if torch.cuda.is_available() else [False]
 
 
-@pytest.mark.parametrize("interleave,asm,tma,gathered,swap", [
-    *[(True, a, True, False, s) for a in ASM for s in (True, False)],
-    (True, False, True, True, True), (True, False, False, False, True), (True, False, False, False, False),
-    (False, False, False, False, False)])
+@pytest.mark.parametrize("interleave,asm,tma,gathered,swap,words", [
+    *[(True, a, True, False, s, False) for a in ASM for s in (True, False)],
+    (True, False, True, True, True, False), (True, False, False, False, True, False),
+    (True, False, False, False, False, False), (False, False, False, False, False, False),
+    *[(True, a, True, True, True, True) for a in ASM]])
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (5, 3), (37, 3)])
 @pytest.mark.parametrize("hidden,inter,config", [
     (64, 32, SMALL),
     (48, 48, (16, GemmConfig(32, 64, 4, 2))),  # masked last K tile and last column tile
+    (192, 64, (16, GemmConfig(16, 128, 4, 2))),  # word tiles: K in chunks of 64, a last K tile of one chunk
 ])
 def test_sorted_gate_up_and_down_equal_the_dequantized_experts(tokens, top_k, hidden, inter, config, interleave, asm,
-                                                                tma, gathered, swap):
+                                                                tma, gathered, swap, words):
     """Both ways of feeding the MMA (one over the interleaved tile, two over even and odd columns), the interleaved
     tile decoded by Triton's operations and (on CUDA) by PTX, its bytes copied by a tensor descriptor (where rows
-    are 16-byte aligned: not at hidden 48) or by pointer; the rows gathered inside the GEMM or copied first; the
-    weight tile as the MMA's first operand (the output transposed) or its second."""
+    are 16-byte aligned: not at hidden 48) or by pointer, or as 32-bit words (where K comes in chunks of 64); the
+    rows gathered inside the GEMM or copied first; the weight tile as the MMA's first operand (the output
+    transposed) or its second."""
     x, ids, _, gate_up, down = case(tokens, top_k, 8, hidden, inter, empty=(6, 7))
     sorted_ids, order, ends = sorted_rows(ids, 8)
     w = gate_up.dequantize()
     h = torch.stack([x[t // top_k] @ w[e].T for t, e in zip(order.tolist(), sorted_ids.tolist(), strict=True)])
     ref = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, config, interleave, asm, tma,
-                                                gathered, swap)
+                                                gathered, swap, words)
     torch.testing.assert_close(act, ref, atol=1e-4, rtol=1e-4)  # fp32, summed in another order
     d = down.dequantize()
     ref_down = torch.stack([act[i] @ d[e].T for i, e in enumerate(sorted_ids.tolist())])
-    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave, asm, tma, swap)
+    out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, interleave, asm, tma, swap, words)
     torch.testing.assert_close(out, ref_down, atol=1e-4, rtol=1e-4)
+
+
+def test_word_order_between_the_passes():
+    """``permute_k`` and its inverse undo each other; the gate_up pass writes its columns where ``permute_k`` puts
+    them (the same values), and the down pass reads that order as it is, to the bit, on word tiles and on byte tiles
+    (which take the columns back first)."""
+    x = torch.randn(3, 5, 192)
+    assert torch.equal(moe_nvfp4_triton.permute_k(moe_nvfp4_triton.permute_k(x), inverse=True), x)
+    assert not torch.equal(moe_nvfp4_triton.permute_k(x), x)
+    x, ids, _, gate_up, down = case(9, 3, 8, 128, 64, empty=(6, 7))
+    _, order, ends = sorted_rows(ids, 8)
+    config = (16, GemmConfig(16, 64, 4, 2))
+    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config)
+    permuted = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config, permute_out=True)
+    assert torch.equal(permuted, moe_nvfp4_triton.permute_k(act))
+    for words in (True, False):
+        out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, words=words)
+        assert torch.equal(moe_nvfp4_triton.sorted_down_nvfp4(permuted, ends, *down, config, words=words,
+                                                              permuted=True), out)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *case(9, 3, 8, 128, 48)[3], 3, permute_out=True)
+
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _ptx(text: str, regs: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """The integer and ``bf16x2`` instructions of a PTX block run on Python ints: the bf16 pairs each
+    ``mul.rn.bf16x2`` writes (as floats, exact for these products)."""
+    out = {}
+
+    def val(arg: str) -> int:
+        return int(arg, 16) if arg.startswith("0x") else int(arg) if arg.isdigit() else regs[arg]
+
+    def bf16(bits: int) -> float:
+        return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *a = (x.strip() for x in args.split(","))
+        if op == "prmt.b32":  # default mode: each selector nibble picks one of the 8 bytes of (a, b)
+            pool = [(val(a[0]) >> 8 * i) & 255 for i in range(4)] + [(val(a[1]) >> 8 * i) & 255 for i in range(4)]
+            regs[d] = sum(pool[(val(a[2]) >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            regs[d] = (val(a[0]) << val(a[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[d] = val(a[0]) >> val(a[1])
+        elif op in ("and.b32", "or.b32"):
+            regs[d] = val(a[0]) & val(a[1]) if op == "and.b32" else val(a[0]) | val(a[1])
+        elif op == "mul.rn.bf16x2":
+            x, s = val(a[0]), val(a[1])
+            out[d] = (bf16(x & 0xFFFF) * bf16(s & 0xFFFF), bf16(x >> 16) * bf16(s >> 16))
+        else:
+            raise AssertionError(f"no emulation of {op}")
+    return out
+
+
+def test_word_decode_ptx_gives_each_code_times_its_scale():
+    """:func:`fp4_words_asm`'s PTX (which only CUDA runs) emulated instruction by instruction on random words and
+    e4m3 scales (subnormal ones included): output ``j`` holds code ``j`` of the first word and of the second, times
+    the scale, times 2^-8, the codes read from the e2m1 table."""
+    body = inspect.getsource(moe_nvfp4_triton.fp4_words_asm.fn).split('asm="""')[1].split('"""')[0]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        w0, w1 = (int(v) for v in torch.randint(0, 2 ** 32, (2,), generator=g))
+        scale = torch.randint(1, 0x7F, (1,), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn).item()
+        s = torch.tensor([scale * 2.0 ** 118]).bfloat16().view(torch.int16).item() & 0xFFFF
+        out = _ptx(body, {"$8": w0, "$9": w1, "$10": s | s << 16})
+        for j in range(8):
+            for half, w in enumerate((w0, w1)):
+                code = (w >> 4 * j) & 15
+                want = (-1.0 if code & 8 else 1.0) * E2M1[code & 7] * scale * 2.0 ** -8
+                assert out[f"${j}"][half] == want, (j, half, code)
 
 
 @pytest.mark.parametrize("tokens", [1, 19])

@@ -2,7 +2,8 @@
 
     python tools/tune_moe.py [--tokens 4096,32768] [--quantization nvfp4] [--decode-tokens 1,8,32]
         [--experts 512] [--hidden 2048] [--intermediate 512] [--top-k 10] [--gemv-arms bf16,triton,asm,grouped]
-        [--nvfp4-variants asm,asm-swap] [--nvfp4-configs "128,128,128,8,3;64,128,128,4,3"]
+        [--nvfp4-variants words,asm-swap] [--nvfp4-configs "128,128,128,8,3;64,128,128,4,3"]
+        [--decode-gemm-configs "16,128,128,4,3"]
 
 The bench shapes by default (512 experts, top-10, hidden 2048, intermediate 512; ``flash-next``'s are
 ``--hidden 2560 --intermediate 640``), bf16, softmax-top-k routing of random logits; an empty ``--tokens`` or
@@ -19,10 +20,10 @@ experts), each against the bf16 path at the same shapes and against the experts 
 path (what runs without the kernels); then, for ``--decode-tokens``, the decode GEMVs over NVFP4 and bf16 experts
 and their configs, timed as CUDA graphs (a launch costs more than these kernels). Each NVFP4 variant of the grouped
 GEMMs decodes its tiles in column order by Triton's operations or by PTX, or as even and odd columns, its tiles copied
-by descriptor or by pointer, its rows gathered inside the GEMM or copied first, the decoded tile the MMA's first
-operand (from registers) or its second (:data:`VARIANTS`); the GEMVs decode
+by descriptor (as bytes or as 32-bit words) or by pointer, its rows gathered inside the GEMM or copied first, the
+decoded tile the MMA's first operand (from registers) or its second (:data:`VARIANTS`); the GEMVs decode
 codes by Triton's operations or by PTX (:data:`DECODES`, ``--gemv-arms``); the ``grouped`` arm times the grouped GEMMs
-at the decode token counts (:data:`DECODE_GEMM_CONFIGS`).
+at the decode token counts (:data:`DECODE_GEMM_CONFIGS`, or ``--decode-gemm-configs``).
 """
 
 from __future__ import annotations
@@ -85,11 +86,12 @@ CONFIGS = [(128, 128, 64, 8, 3, False), (128, 64, 64, 8, 3, False),
 
 # NVFP4 passes: (block_m, block_n, block_k in values, warps, stages); ``--nvfp4-configs`` replaces them.
 NVFP4_CONFIGS = [(128, 64, 128, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3), (256, 64, 64, 8, 3)]
-# name -> (interleave, asm, tma, gathered, swap): how a weight tile is decoded and fed to the MMA, and how the tiles
-# arrive (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED, SWAP); ``--nvfp4-variants`` picks some.
-VARIANTS = {"tma-gathered": (True, False, True, True, False), "asm": (True, True, True, True, False),
-            "asm-swap": (True, True, True, True, True), "tma": (True, False, True, False, False),
-            "pointer": (True, False, False, False, False), "even-odd": (False, False, False, False, False)}
+# name -> (interleave, asm, tma, gathered, swap, words): how a weight tile is decoded and fed to the MMA, and how the
+# tiles arrive (moe_nvfp4_triton.INTERLEAVE, ASM, TMA, GATHERED, SWAP, WORDS); ``--nvfp4-variants`` picks some.
+VARIANTS = {"words": (True, True, True, True, True, True), "asm-swap": (True, True, True, True, True, False),
+            "tma-gathered": (True, False, True, True, False, False), "asm": (True, True, True, True, False, False),
+            "tma": (True, False, True, False, False, False), "pointer": (True, False, False, False, False, False),
+            "even-odd": (False, False, False, False, False, False)}
 # How the decode GEMVs decode NVFP4 codes (moe_decode_triton.FP4_ASM).
 DECODES = {False: "triton", True: "asm"}
 # (block_m, block_n, block_k, num_warps, num_stages) of both grouped GEMMs in the decode sweep's "grouped" arm: the
@@ -129,6 +131,7 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
     flops = 2.0 * ids.numel() * hidden * inter  # each pass's third: gate_up is twice this, down once
     packed_gu, packed_down = q_gate_up.nvfp4(), q_down.nvfp4()
     act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k)
+    act_words = moe_nvfp4_triton.permute_k(act) if act.shape[1] % moe_nvfp4_triton.K_CHUNK == 0 else act
     # Each variant's largest difference from the bf16 passes over the dequantized experts (bf16's rounding).
     exact = {"gate_up": moe_triton.sorted_gate_up(x, order, ends, q_gate_up.dequantize(x.dtype), top_k).float(),
              "down": moe._grouped_mm(act, q_down.dequantize(x.dtype).transpose(1, 2), offs=ends).float()}
@@ -136,8 +139,8 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
             ("gate_up", lambda cfg, v: moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *packed_gu, top_k,
                                                                              cfg, *v),
              lambda: moe_triton.sorted_gate_up(x, order, ends, gate_up, top_k), 2),
-            ("down", lambda cfg, v: moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *packed_down, cfg, *v[:3],
-                                                                       swap=v[4]),
+            ("down", lambda cfg, v: moe_nvfp4_triton.sorted_down_nvfp4(
+                act_words if v[5] else act, ends, *packed_down, cfg, *v[:3], swap=v[4], words=v[5], permuted=v[5]),
              lambda: moe._grouped_mm(act, down.transpose(1, 2), offs=ends), 1)):
         ms = timed(ref, False)
         print(f"T={tokens} {name}: bf16 {ms * 1e3:8.1f} us ({mult * flops / ms / 1e9:5.0f} TFLOP/s)", flush=True)
@@ -166,7 +169,7 @@ def sweep_nvfp4(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: to
 
 
 def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: torch.Generator,
-               kinds: list[str]) -> None:
+               kinds: list[str], gemm_configs: list[tuple[int, moe_triton.GemmConfig]]) -> None:
     x, ids, weights = routing(tokens, gate_up.shape[0], top_k, gate_up.shape[2], g)
     packed = (q_gate_up.nvfp4(), q_down.nvfp4())
     distinct = torch.unique(ids).numel()
@@ -188,17 +191,18 @@ def sweep_gemv(tokens: int, gate_up, down, q_gate_up, q_down, top_k: int, g: tor
                   f"of distinct experts", flush=True)
     if "grouped" in kinds:
         sweep_decode_gemm(tokens, x, ids, weights, packed, distinct, q_gate_up.bytes_per_expert()
-                          + q_down.bytes_per_expert())
+                          + q_down.bytes_per_expert(), gemm_configs)
 
 
-def sweep_decode_gemm(tokens: int, x, ids, weights, packed, distinct: int, nbytes: int) -> None:
+def sweep_decode_gemm(tokens: int, x, ids, weights, packed, distinct: int, nbytes: int,
+                      configs: list[tuple[int, moe_triton.GemmConfig]]) -> None:
     """The grouped GEMM path over NVFP4 experts (``moe.fused_experts_nvfp4``: sort, both GEMMs, combine) at a
-    decode token count, both passes at each of :data:`DECODE_GEMM_CONFIGS`, timed as a CUDA graph like the
+    decode token count, both passes at each of ``configs``, timed as a CUDA graph like the
     GEMVs; the largest difference from the GEMV at its default configs."""
     ref = moe_decode_triton.moe_gemv(x, ids, weights, *packed).float()
     saved = moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG
     try:
-        for cfg in DECODE_GEMM_CONFIGS:
+        for cfg in configs:
             moe_nvfp4_triton.GATE_UP_CONFIG = moe_nvfp4_triton.DOWN_CONFIG = cfg
             label = f"m{cfg[0]} n{cfg[1].block_n} k{cfg[1].block_k} w{cfg[1].num_warps} s{cfg[1].num_stages}"
             fn = functools.partial(moe.fused_experts_nvfp4, x, ids, weights, *packed)
@@ -230,6 +234,8 @@ def main() -> None:
                     help=f"the NVFP4 grouped GEMMs' variants to sweep, of {', '.join(VARIANTS)}")
     ap.add_argument("--nvfp4-configs", default=";".join(",".join(map(str, c)) for c in NVFP4_CONFIGS),
                     help="the NVFP4 grouped GEMMs' configs, block_m,block_n,block_k,warps,stages each, ';' between")
+    ap.add_argument("--decode-gemm-configs", default=None,
+                    help="the grouped arm's configs (default DECODE_GEMM_CONFIGS), as --nvfp4-configs")
     ns = ap.parse_args()
     variants = [v for v in ns.nvfp4_variants.split(",") if v]
     if unknown := set(variants) - set(VARIANTS):
@@ -237,6 +243,12 @@ def main() -> None:
     configs = [tuple(int(v) for v in c.split(",")) for c in ns.nvfp4_configs.split(";") if c]
     if any(len(c) != 5 for c in configs):
         ap.error("--nvfp4-configs: five integers a config (block_m,block_n,block_k,warps,stages)")
+    gemm_configs = DECODE_GEMM_CONFIGS
+    if ns.decode_gemm_configs:
+        parsed = [tuple(int(v) for v in c.split(",")) for c in ns.decode_gemm_configs.split(";") if c]
+        if any(len(c) != 5 for c in parsed):
+            ap.error("--decode-gemm-configs: five integers a config (block_m,block_n,block_k,warps,stages)")
+        gemm_configs = [(bm, moe_triton.GemmConfig(*c)) for bm, *c in parsed]
     experts, hidden, inter, top_k = ns.experts, ns.hidden, ns.intermediate, ns.top_k
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda") / hidden ** 0.5).bfloat16()
@@ -252,7 +264,7 @@ def main() -> None:
     for tokens in counts:
         sweep_nvfp4(tokens, gate_up, down, q_gate_up, q_down, top_k, g, configs, variants)
     for tokens in (int(t) for t in ns.decode_tokens.split(",") if t):
-        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g, ns.gemv_arms.split(","))
+        sweep_gemv(tokens, gate_up, down, q_gate_up, q_down, top_k, g, ns.gemv_arms.split(","), gemm_configs)
 
 
 if __name__ == "__main__":
