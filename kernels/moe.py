@@ -57,6 +57,12 @@ TRITON_MAX_ASSIGNMENTS = 0
 # GEMV kernels take 39 / 138 / 443 / 803 us at 1 / 8 / 32 / 64 tokens against 129 / 289 / 648 / 866 us
 # for the grouped path (router and shared expert included).
 GEMV_MAX_TOKENS = 64
+# NVFP4 experts take the GEMVs for decode batches of at most this many tokens, and the grouped GEMMs at their
+# decode tiles (``moe_nvfp4_triton.DECODE_CONFIG``) above: those read each distinct expert once where the GEMVs
+# stream an expert for each of its tokens, and decode codes for the tensor cores. Measured on the H200 at
+# flash-next's shapes (tools/tune_moe.py --decode-tokens), the whole routed experts of 32 tokens: 349 us grouped
+# against 462 us for the fastest GEMV tiles.
+NVFP4_GEMV_MAX_TOKENS = 16
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,9 +187,10 @@ def fused_experts_nvfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 def gemv_applies(x: torch.Tensor, gate_up: torch.Tensor | Nvfp4) -> bool:
     """Whether a decode batch of ``x``'s rows may run its experts as ``moe_decode_triton.moe_gemv`` (CUDA,
-    Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype or NVFP4 read packed)."""
+    Triton, at most :data:`GEMV_MAX_TOKENS` tokens, weights in ``x``'s dtype, or NVFP4 read packed and at most
+    :data:`NVFP4_GEMV_MAX_TOKENS` tokens)."""
     if not (use_triton(x, "moe_gemv") and 0 < x.shape[0] <= GEMV_MAX_TOKENS):
         return False
     if isinstance(gate_up, Nvfp4):
-        return use_triton(x, "nvfp4")
+        return x.shape[0] <= NVFP4_GEMV_MAX_TOKENS and use_triton(x, "nvfp4")
     return gate_up.dtype == x.dtype

@@ -36,12 +36,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
 
-# (block_m, config) of each pass; block_k counts values (half as many bytes). Every row count takes the same
-# tiles, so a row's arithmetic never depends on how many rows share its forward. The fastest of `tools/tune_moe.py
+# (block_m, config) of each pass; block_k counts values (half as many bytes). The fastest of `tools/tune_moe.py
 # --quantization nvfp4`'s sweep with the decoded tile from registers (:data:`SWAP`) at 4,096 and 32,768 tokens, at
 # the bench shapes and at flash-next's (hidden 2,560, intermediate 640).
 GATE_UP_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(64, 128, 4, 3))
 DOWN_CONFIG: tuple[int, GemmConfig] = (128, GemmConfig(128, 64, 8, 4))
+# Both passes' tiles where the rows average at most DECODE_ROWS an expert (decode batches: 32 tokens of top-10 over
+# 512 experts reach about 240 of them): 16 rows a tile, the swapped MMA's narrowest N. A row's sums do not depend on
+# the tiles (each output accumulates its K in 16-wide MMA steps in order, whatever the tile), so a decode row
+# computes as it would in a prompt's forward.
+DECODE_CONFIG: tuple[int, GemmConfig] = (16, GemmConfig(128, 128, 4, 3))
+DECODE_ROWS = 2
 # One MMA over each weight tile in column order (the scale tile widened and the even and odd values joined in
 # registers), rather than two over its even and odd columns against activations loaded with a stride of 2.
 INTERLEAVE = True
@@ -436,10 +441,14 @@ def _sorted_gate_up_fp4_kernel(
         acc_g *= g2[None, :]
         acc_u *= u2[None, :]
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_cols = cols
     if PERMUTE_OUT:  # in the order the down pass's word tiles read K in
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + k_position(cols)[None, :]
-    else:
-        out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + cols[None, :]
+        if BLOCK_N >= _K_CHUNK:  # whole chunks (powers of two): the tile reordered in registers, stored as it was
+            act = tl.reshape(act, (BLOCK_M, BLOCK_N // _K_CHUNK, 4, 2, 8))
+            act = tl.reshape(tl.permute(act, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_N))
+        else:
+            out_cols = k_position(cols)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * so_m + out_cols[None, :]
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & cmask[None, :])
 
 
@@ -540,6 +549,12 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int, act_bytes: int,
     return block_m, GemmConfig(block_n, block_k, gemm.num_warps, gemm.num_stages)
 
 
+def _default(config: tuple[int, GemmConfig], rows: int, experts: int) -> tuple[int, GemmConfig]:
+    """A pass's tiles for ``rows`` expert-sorted rows over ``experts``: ``config``, or :data:`DECODE_CONFIG` where the
+    rows average at most :data:`DECODE_ROWS` an expert."""
+    return DECODE_CONFIG if rows <= DECODE_ROWS * experts else config
+
+
 def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor,
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
@@ -551,15 +566,17 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
     ``[A, I]`` in ``order``'s order, in ``x``'s dtype; with ``permute_out`` its columns in :func:`permute_k`'s order
     (``I`` a multiple of :data:`K_CHUNK`), which :func:`sorted_down_nvfp4` reads as they are. ``config``,
-    ``interleave``, ``asm``, ``tma``, ``gathered``, ``swap`` and ``words`` override :data:`GATE_UP_CONFIG`,
-    :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`, :data:`SWAP` and :data:`WORDS`."""
+    ``interleave``, ``asm``, ``tma``, ``gathered``, ``swap`` and ``words`` override :data:`GATE_UP_CONFIG` (or
+    :data:`DECODE_CONFIG`), :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`, :data:`SWAP` and
+    :data:`WORDS`."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
     assert ends.shape == (num_experts,) and x.stride(1) == 1
     if permute_out and inter % K_CHUNK:
         raise ValueError(f"permute_out needs an intermediate size of a multiple of {K_CHUNK}, got {inter}")
-    block_m, gemm = _fit(config or GATE_UP_CONFIG, inter, hidden, x.element_size(), 2)
+    block_m, gemm = _fit(config or _default(GATE_UP_CONFIG, assignments, num_experts), inter, hidden,
+                         x.element_size(), 2)
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
@@ -597,13 +614,13 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``permuted``: ``act``'s
     columns are in :func:`permute_k`'s order (``sorted_gate_up_nvfp4(..., permute_out=True)``), which word tiles read
     as they are (else they take a permuted copy, and other tiles an unpermuted one). ``config``, ``interleave``,
-    ``asm``, ``tma``, ``swap`` and ``words`` override :data:`DOWN_CONFIG`, :data:`INTERLEAVE`, :data:`ASM`,
-    :data:`TMA`, :data:`SWAP` and :data:`WORDS`."""
+    ``asm``, ``tma``, ``swap`` and ``words`` override :data:`DOWN_CONFIG` (or :data:`DECODE_CONFIG`),
+    :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`SWAP` and :data:`WORDS`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
     assert ends.shape == (num_experts,) and act.stride(1) == 1
-    block_m, gemm = _fit(config or DOWN_CONFIG, hidden, inter, act.element_size(), 1)
+    block_m, gemm = _fit(config or _default(DOWN_CONFIG, rows, num_experts), hidden, inter, act.element_size(), 1)
     out = torch.empty(rows, hidden, dtype=act.dtype, device=act.device)
     if rows == 0:
         return out

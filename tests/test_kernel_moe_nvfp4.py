@@ -104,10 +104,11 @@ def test_word_order_between_the_passes():
     assert not torch.equal(moe_nvfp4_triton.permute_k(x), x)
     x, ids, _, gate_up, down = case(9, 3, 8, 128, 64, empty=(6, 7))
     _, order, ends = sorted_rows(ids, 8)
-    config = (16, GemmConfig(16, 64, 4, 2))
-    act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config)
-    permuted = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config, permute_out=True)
-    assert torch.equal(permuted, moe_nvfp4_triton.permute_k(act))
+    for block_n in (64, 16):  # whole chunks reordered in registers, or columns stored where they go
+        config = (16, GemmConfig(block_n, 64, 4, 2))
+        act = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config)
+        permuted = moe_nvfp4_triton.sorted_gate_up_nvfp4(x, order, ends, *gate_up, 3, config, permute_out=True)
+        assert torch.equal(permuted, moe_nvfp4_triton.permute_k(act))
     for words in (True, False):
         out = moe_nvfp4_triton.sorted_down_nvfp4(act, ends, *down, config, words=words)
         assert torch.equal(moe_nvfp4_triton.sorted_down_nvfp4(permuted, ends, *down, config, words=words,
@@ -296,3 +297,20 @@ def test_moe_gemv_nvfp4_bench_shapes_gpu(tokens, hidden, inter):
     out = moe_gemv(x, ids, weights, gate_up, down)
     ref = fused_experts(x, ids, weights, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
     assert _rel(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [3, 32, 100])
+def test_decode_tiles_give_a_row_the_bits_of_the_prefill_tiles_gpu(tokens, monkeypatch):
+    """flash-next's expert shapes in bf16: a decode-sized batch through ``DECODE_CONFIG``'s 16-row tiles gives
+    every row the bits the prefill tiles give it."""
+    g = torch.Generator().manual_seed(tokens)
+    experts, top_k, hidden, inter = 512, 10, 2560, 640
+    x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).to(DEV, torch.bfloat16)
+    gate_up, down = quantized(experts, 2 * inter, hidden, 0, parts=2), quantized(experts, hidden, inter, 1)
+    assert tokens * top_k <= moe_nvfp4_triton.DECODE_ROWS * experts
+    decode_tiles = moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down)
+    monkeypatch.setattr(moe_nvfp4_triton, "DECODE_ROWS", 0)
+    assert torch.equal(moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down), decode_tiles)

@@ -97,7 +97,7 @@ DECODES = {False: "triton", True: "asm"}
 # (block_m, block_n, block_k, num_warps, num_stages) of both grouped GEMMs in the decode sweep's "grouped" arm: the
 # prefill path (sort by expert, tensor-core tiles, each distinct expert read once) at decode token counts; the
 # prefill's own two configs first.
-DECODE_GEMM_CONFIGS = [moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG,
+DECODE_GEMM_CONFIGS = [moe_nvfp4_triton.DECODE_CONFIG, moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG,
                        *((bm, moe_triton.GemmConfig(*c)) for bm, *c in ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3),
                                                                       (16, 64, 256, 4, 3), (32, 64, 128, 4, 3)))]
 GEMV_CONFIGS = [((2, 2048, 4), (32, 512, 4)), ((8, 512, 4), (32, 512, 4)), ((4, 1024, 4), (16, 512, 4)),
@@ -200,10 +200,10 @@ def sweep_decode_gemm(tokens: int, x, ids, weights, packed, distinct: int, nbyte
     decode token count, both passes at each of ``configs``, timed as a CUDA graph like the
     GEMVs; the largest difference from the GEMV at its default configs."""
     ref = moe_decode_triton.moe_gemv(x, ids, weights, *packed).float()
-    saved = moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG
+    saved = moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG, moe_nvfp4_triton.DECODE_CONFIG
     try:
         for cfg in configs:
-            moe_nvfp4_triton.GATE_UP_CONFIG = moe_nvfp4_triton.DOWN_CONFIG = cfg
+            moe_nvfp4_triton.GATE_UP_CONFIG = moe_nvfp4_triton.DOWN_CONFIG = moe_nvfp4_triton.DECODE_CONFIG = cfg
             label = f"m{cfg[0]} n{cfg[1].block_n} k{cfg[1].block_k} w{cfg[1].num_warps} s{cfg[1].num_stages}"
             fn = functools.partial(moe.fused_experts_nvfp4, x, ids, weights, *packed)
             try:
@@ -215,7 +215,7 @@ def sweep_decode_gemm(tokens: int, x, ids, weights, packed, distinct: int, nbyte
             print(f"T={tokens} grouped gemm {label}: {ms * 1e3:7.1f} us, {distinct * nbytes / ms / 1e6:6.0f} GB/s of "
                   f"distinct experts, max diff from the gemv {diff:.4f}", flush=True)
     finally:
-        moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG = saved
+        moe_nvfp4_triton.GATE_UP_CONFIG, moe_nvfp4_triton.DOWN_CONFIG, moe_nvfp4_triton.DECODE_CONFIG = saved
 
 
 def main() -> None:
