@@ -1,12 +1,13 @@
-"""NVFP4 routed experts read in their stored format (W4A16): the prefill grouped GEMMs over expert-sorted rows.
+"""NVFP4 routed experts read in their stored format (W4A16): the grouped GEMMs over expert-sorted rows.
 
 Imported only for CUDA tensors (and on the CPU by the tests, under ``TRITON_INTERPRET=1``).
 
 The weights stay as loaded (:mod:`tidal.kernels.quant`'s layout): ``packed`` uint8 ``[E, R, C/2]`` (two e2m1
 codes a byte, the even column in the low nibble), ``scale`` e4m3 ``[E, R, C/16]``, ``scale_2`` fp32 ``[E, R, 1]``
-(one global scale per row). A program copies a tile of packed bytes (by tensor descriptor, :data:`TMA`) and the
-scale byte of each group (one K tile ahead), decodes both in registers (:func:`fp4_tile`: ``code * scale`` is exact
-in bf16, by PTX, :data:`ASM`; in fp16 by Triton's operations) and feeds the activations' dtype to the tensor cores:
+(one global scale per row). A program copies a tile of packed bytes (by tensor descriptor, :data:`TMA`; as 32-bit
+words where K comes in chunks of 64, :data:`WORDS`) and the scale byte of each group (one K tile ahead), decodes both
+in registers (:func:`fp4_tile`, :func:`fp4_words`: ``code * scale`` is exact in bf16, by PTX, :data:`ASM`; in fp16
+by Triton's operations) and feeds the activations' dtype to the tensor cores:
 the scale tile is widened to its bytes and each byte's two values joined in column order (:data:`INTERLEAVE`), or
 the even and odd columns of the byte tile are two MMAs of half the K tile against the activations' even and odd
 columns (the reduction does not depend on the order of K). The decoded tile is the MMA's first operand (:data:`SWAP`:
@@ -21,7 +22,8 @@ accumulator in the epilogue (with the power of two the decoded values are short 
 - :func:`sorted_down_nvfp4`: the activations (already in expert order) times each expert's ``down``.
 
 The rows of both are found as in ``sorted_gate_up``: row tiles of one expert each, from where each expert's run
-ends; no host sync, no padding copy.
+ends; no host sync, no padding copy. Word tiles hold K in :func:`permute_k`'s order: gate_up gathers its rows from a
+copy of ``x`` in that order and writes its output in it, which down reads as it is.
 """
 
 from __future__ import annotations
