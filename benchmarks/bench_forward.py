@@ -603,7 +603,8 @@ def kernel_cases(c: ModelConfig, device: torch.device, dtype: torch.dtype, token
 def nvfp4_cases(c: ModelConfig, moe_args: Callable[[int], Args], moe: Callable[[Any, Args], Any], tokens: int,
                 batch: int, eb: int) -> list[KernelCase]:
     """The routed experts in NVFP4 at the bf16 cases' shapes: the kernels that read the packed experts (grouped
-    GEMMs for prefill, GEMVs for decode), the reference (experts dequantized per call, then the bf16 path) and,
+    GEMMs for prefill and decode batches past ``moe.NVFP4_GEMV_MAX_TOKENS``, GEMVs for smaller decode batches), the
+    reference (experts dequantized per call, then the bf16 path) and,
     as the library column, the bf16 experts' own fast path on the same rows."""
     h, inter = c.hidden_size, c.moe_intermediate_size
     one = expert_bytes(c, "nvfp4", eb)
@@ -620,9 +621,13 @@ def nvfp4_cases(c: ModelConfig, moe_args: Callable[[int], Args], moe: Callable[[
     packed = lambda f, a: f(a["x"], a["ids"], a["w"], a["q_gate_up"].nvfp4(), a["q_down"].nvfp4())  # noqa: E731
     ref = attr("tidal.executor.quant", "routed_experts", routed, env={"TIDAL_KERNELS": "torch:nvfp4"},
                label="executor.quant.routed_experts [TIDAL_KERNELS=torch:nvfp4: dequantized per call]")
+    from tidal.kernels.moe import NVFP4_GEMV_MAX_TOKENS
+
+    decode = (attr("tidal.kernels.moe_decode_triton", "moe_gemv", packed, cuda_only=True)
+              if batch <= NVFP4_GEMV_MAX_TOKENS else attr("tidal.kernels.moe", "fused_experts_nvfp4", packed))
     phases = (("prefill", tokens, attr("tidal.kernels.moe", "fused_experts_nvfp4", packed),
                attr("tidal.kernels.moe", "fused_experts", moe, label="bf16 experts: kernels.moe.fused_experts")),
-              ("decode", batch, attr("tidal.kernels.moe_decode_triton", "moe_gemv", packed, cuda_only=True),
+              ("decode", batch, decode,
                attr("tidal.kernels.moe_decode_triton", "moe_gemv", moe, cuda_only=True,
                     label="bf16 experts: kernels.moe_decode_triton.moe_gemv")))
     return [KernelCase(

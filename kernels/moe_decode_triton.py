@@ -25,7 +25,8 @@ Here a layer's MoE after the router GEMM is four launches:
 
 Each assignment reads its expert's weights once, so a batch whose tokens share experts reads those
 weights once per token (from L2 when it can): the kernels serve batches up to
-:data:`tidal.kernels.moe.GEMV_MAX_TOKENS`, and larger ones take the grouped GEMM.
+:data:`tidal.kernels.moe.GEMV_MAX_TOKENS` (:data:`~tidal.kernels.moe.NVFP4_GEMV_MAX_TOKENS` for NVFP4 experts), and
+larger ones take the grouped GEMM.
 """
 
 from __future__ import annotations
