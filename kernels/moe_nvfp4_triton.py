@@ -208,14 +208,16 @@ K_CHUNK = 64
 _K_CHUNK = tl.constexpr(K_CHUNK)
 
 
-def permute_k(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def permute_k(x: torch.Tensor, inverse: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (last dim a multiple of :data:`K_CHUNK`) with its last dim in the order :func:`fp4_words` decodes
     weight columns in: position ``64c + 8j + 2t + p`` takes column ``64c + 16t + 8p + j`` (``inverse``: the other
-    way). A copy."""
+    way). A copy; ``rows``: of those rows of ``x`` only (the gather and the reordering one copy)."""
     n = x.dim() + 3
     if inverse:  # [..., c, j, t, p] -> [..., c, t, p, j]
-        return x.unflatten(-1, (-1, 8, 4, 2)).permute(*range(n - 4), n - 4, n - 2, n - 1, n - 3).flatten(-4)
-    return x.unflatten(-1, (-1, 4, 2, 8)).permute(*range(n - 4), n - 4, n - 1, n - 3, n - 2).flatten(-4)
+        view = x.unflatten(-1, (-1, 8, 4, 2)).permute(*range(n - 4), n - 4, n - 2, n - 1, n - 3)
+    else:
+        view = x.unflatten(-1, (-1, 4, 2, 8)).permute(*range(n - 4), n - 4, n - 1, n - 3, n - 2)
+    return (view if rows is None else view.index_select(0, rows)).flatten(-4)
 
 
 @triton.jit
@@ -225,69 +227,37 @@ def k_position(cols):
     return cols - c + 8 * (c % 8) + 2 * (c // 16) + (c // 8) % 2
 
 
+def _words_ptx() -> str:
+    """:func:`fp4_words_asm`'s PTX: two byte permutes, then for each of the eight codes of a half word pair (code
+    ``q`` of a half at bit ``4q``) its magnitude bits shifted to bits 6-8 and its sign to bit 15 of each bf16 half,
+    joined, and scaled by ``$10``."""
+    lines = ["{", ".reg .b32 lo, hi, m, g, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for j in range(8):
+        src, q = ("lo", "hi")[j // 4], j % 4
+        mag = 6 - 4 * q  # the magnitude's shift to bits 6-8 (negative: right)
+        lines += [f"shl.b32 m, {src}, {mag};" if mag > 0 else f"shr.b32 m, {src}, {-mag};",
+                  "and.b32 m, m, 0x01C001C0;"]
+        sign = 12 - 4 * q  # the sign's shift to bit 15
+        lines += [f"shl.b32 g, {src}, {sign};", "and.b32 g, g, 0x80008000;"] if sign else [
+            f"and.b32 g, {src}, 0x80008000;"]
+        lines += ["or.b32 t, m, g;", f"mul.rn.bf16x2 ${j}, t, $10;"]
+    return "\n".join([*lines, "}"])
+
+
+WORDS_PTX = tl.constexpr(_words_ptx())
+
+
 @triton.jit
 def fp4_words_asm(w, s):
     """Codes of 32-bit words ``w`` (int32, eight codes each, the low nibble first) times their scales ``s`` (bf16
-    ``scale * 2^118``, the shape of ``w``), two words at a time in PTX: eight bf16 tensors ``code * scale * 2^-8``,
-    the ``j``-th of each word's ``j``-th code. Two byte permutes put the two words' low halves side by side and their
-    high halves, then each code's magnitude bits are shifted to the bottom of a bf16's exponent and the top of its
-    mantissa and its sign to bit 15 (as in :func:`fp4_asm`), two values a register, and one ``mul.rn.bf16x2``
-    scales both."""
+    ``scale * 2^118``, the shape of ``w``), two words at a time in PTX (:data:`WORDS_PTX`): eight bf16 tensors
+    ``code * scale * 2^-8``, the ``j``-th of each word's ``j``-th code. Two byte permutes put the two words' low
+    halves side by side and their high halves, then each code's magnitude bits are shifted to the bottom of a bf16's
+    exponent and the top of its mantissa and its sign to bit 15 (as in :func:`fp4_asm`), two values a register, and
+    one ``mul.rn.bf16x2`` scales both."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 lo, hi, m, g, t;
-        prmt.b32 lo, $8, $9, 0x5410;
-        prmt.b32 hi, $8, $9, 0x7632;
-        shl.b32 m, lo, 6;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, lo, 12;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $0, t, $10;
-        shl.b32 m, lo, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, lo, 8;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $1, t, $10;
-        shr.b32 m, lo, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, lo, 4;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $2, t, $10;
-        shr.b32 m, lo, 6;
-        and.b32 m, m, 0x01C001C0;
-        and.b32 g, lo, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $3, t, $10;
-        shl.b32 m, hi, 6;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, hi, 12;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $4, t, $10;
-        shl.b32 m, hi, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, hi, 8;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $5, t, $10;
-        shr.b32 m, hi, 2;
-        and.b32 m, m, 0x01C001C0;
-        shl.b32 g, hi, 4;
-        and.b32 g, g, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $6, t, $10;
-        shr.b32 m, hi, 6;
-        and.b32 m, m, 0x01C001C0;
-        and.b32 g, hi, 0x80008000;
-        or.b32 t, m, g;
-        mul.rn.bf16x2 $7, t, $10;
-        }
-        """,
-        constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", args=[w, s], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+        asm=WORDS_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", args=[w, s], dtype=(tl.bfloat16,) * 8,
+        is_pure=True, pack=2)
 
 
 @triton.jit
@@ -591,7 +561,8 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
         words = _words(words, swap, desc, hidden, gemm)
         if words:  # the word tiles' order of K, the rows' too
             desc = _descriptor(packed, gemm, interleave, tma, words=True)
-        rows = (permute_k(x) if words else x).index_select(0, order // top_k)  # [A, H] in expert order
+        # [A, H] in expert order
+        rows = permute_k(x, rows=order // top_k) if words else x.index_select(0, order // top_k)
         a_desc = TensorDescriptor.from_tensor(rows, [block_m, gemm.block_k])
     else:
         words = False

@@ -7,7 +7,6 @@ Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, f
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import pytest
@@ -155,10 +154,10 @@ def _ptx(text: str, regs: dict[str, int]) -> dict[str, tuple[float, float]]:
 
 
 def test_word_decode_ptx_gives_each_code_times_its_scale():
-    """:func:`fp4_words_asm`'s PTX (which only CUDA runs) emulated instruction by instruction on random words and
-    e4m3 scales (subnormal ones included): output ``j`` holds code ``j`` of the first word and of the second, times
-    the scale, times 2^-8, the codes read from the e2m1 table."""
-    body = inspect.getsource(moe_nvfp4_triton.fp4_words_asm.fn).split('asm="""')[1].split('"""')[0]
+    """:func:`fp4_words_asm`'s PTX (``WORDS_PTX``, which only CUDA runs) emulated instruction by instruction on
+    random words and e4m3 scales (subnormal ones included): output ``j`` holds code ``j`` of the first word and of
+    the second, times the scale, times 2^-8, the codes read from the e2m1 table."""
+    body = moe_nvfp4_triton.WORDS_PTX.value
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         w0, w1 = (int(v) for v in torch.randint(0, 2 ** 32, (2,), generator=g))
