@@ -90,7 +90,7 @@ import torch.nn.functional as F
 from tidal import LLM
 from tidal.bench.timing import device_ms, host_seconds, measure_bandwidth, measure_peak, synchronize
 from tidal.config.model import ModelConfig
-from tidal.executor.presets import write_checkpoint
+from tidal.executor.presets import keep_first_layers, write_checkpoint
 from tidal.messages import Batch, SegmentSpec
 
 FLOP_FORMULA = (
@@ -921,22 +921,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weight formats, one arm each in this process: bf16 (the model in --dtype), nvfp4, fp8 "
                          "(random routed experts and n-gram table in that layout); comma-separated")
     return ap.parse_args(argv)
-
-
-def keep_first_layers(ckpt: str, n: int) -> None:
-    """Rewrite ``ckpt``'s config.json with its first ``n`` decoder layers (``--layers``)."""
-    path = os.path.join(ckpt, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    if not 1 <= n <= cfg["num_hidden_layers"]:
-        raise SystemExit(f"--layers {n}: the preset has {cfg['num_hidden_layers']} layers")
-    cfg["num_hidden_layers"] = n
-    if "layer_types" in cfg:
-        cfg["layer_types"] = cfg["layer_types"][:n]
-    if "ple_layer_ids" in cfg:
-        cfg["ple_layer_ids"] = [i for i in cfg["ple_layer_ids"] if i <= n]
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
 
 
 def formats(text: str) -> list[str]:

@@ -220,6 +220,22 @@ def write_tokenizer(out: str, model_max_length: int = 32768) -> None:
         f.write(CHAT_TEMPLATE)
 
 
+def keep_first_layers(ckpt: str, n: int) -> None:
+    """Rewrite ``ckpt``'s config.json with its first ``n`` decoder layers (the benchmarks' and tools' ``--layers``)."""
+    path = os.path.join(ckpt, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if not 1 <= n <= cfg["num_hidden_layers"]:
+        raise SystemExit(f"--layers {n}: the preset has {cfg['num_hidden_layers']} layers")
+    cfg["num_hidden_layers"] = n
+    if "layer_types" in cfg:
+        cfg["layer_types"] = cfg["layer_types"][:n]
+    if "ple_layer_ids" in cfg:
+        cfg["ple_layer_ids"] = [i for i in cfg["ple_layer_ids"] if i <= n]
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
 def write_checkpoint(preset: str | None, out: str, seed: int = 0, weights: bool = True,
                      overrides: dict | None = None, quantize: str | None = None, source: str | None = None) -> str:
     """Write config.json, generation_config.json, tokenizer files and (unless ``weights=False``)

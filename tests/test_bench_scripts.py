@@ -197,9 +197,11 @@ def test_profile_layer_major_runs_on_cpu(tmp_path):
 def test_profile_decode_runs_on_cpu(tmp_path):
     proc = run_script("profile_decode.py", "--out", str(tmp_path), "--preset", "tiny", "--device", "cpu",
                       "--batches", "1,2", "--contexts", "16,40", "--steps", "3", "--graphs", "on,off",
-                      "--kernel-table", "3")
+                      "--kernel-table", "3", "--layers", "2", "--quantization", "nvfp4")
     assert "graphs on: this device runs no CUDA graphs; skipped" in proc.stdout
-    rows = json.loads((tmp_path / "profile_decode.json").read_text())["rows"]
+    data = json.loads((tmp_path / "profile_decode.json").read_text())
+    assert (data["layers"], data["quantization"]) == (2, "nvfp4")
+    rows = data["rows"]
     assert [(r["cuda_graph"], r["batch"], r["context"]) for r in rows] == \
         [(False, 1, 16), (False, 2, 16), (False, 1, 40), (False, 2, 40)]
     for r in rows:

@@ -1,7 +1,8 @@
 """Where a decode step's time goes: GPU busy against the host's share, through the real scheduler.
 
     python tools/profile_decode.py --out DIR [--preset bench] [--batches 1,8,32] [--contexts 16,8192]
-        [--steps 24] [--graphs on,off] [--kernel-table N] [--kernel-order]
+        [--steps 24] [--graphs on,off] [--kernel-table N] [--kernel-order] [--layers N]
+        [--quantization nvfp4] [--ple-backend pinned]
 
 For each batch size and context, ``batch`` requests of ``context`` random prompt ids are prefilled and
 then decoded by ``LLM``'s own loop (scheduler + runner in one process: what the executor does per
@@ -9,7 +10,8 @@ step, without the ZeroMQ hops). Over ``--steps`` decode steps under the torch pr
 step, GPU busy time per step (the union of the CUDA kernel intervals, so overlapping kernels count
 once) and the GPU's idle time between and inside steps (wall - busy). ``--graphs`` lists the arms: decode
 steps replayed from CUDA graphs (``on``) and run eagerly (``off``, as ``--disable-cuda-graph``); one model
-serves both, the graphs set aside while no request runs. Writes ``DIR/profile_decode.json``.
+serves both, the graphs set aside while no request runs. ``--layers`` keeps the preset's first N decoder
+layers; ``--quantization`` gives it random routed experts and n-gram table in that layout. Writes ``DIR/profile_decode.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tidal import LLM
-from tidal.executor.presets import write_checkpoint
+from tidal.executor.presets import keep_first_layers, write_checkpoint
 from tidal.messages import Detokenize, GenerateReq, SamplingParams
 
 
@@ -136,16 +138,23 @@ def main() -> None:
     ap.add_argument("--graphs", default="on,off", help="arms: on (CUDA graphs), off (eager steps)")
     ap.add_argument("--kernel-table", type=int, default=0, help="print the top N kernels of each row")
     ap.add_argument("--kernel-order", action="store_true", help="print one step's kernels in launch order")
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first N decoder layers")
+    ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                    help="random routed experts and n-gram table in this layout")
+    ap.add_argument("--ple-backend", default="gpu", choices=["gpu", "pinned", "disk"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     batches = [int(x) for x in ns.batches.split(",")]
     contexts = [int(x) for x in ns.contexts.split(",")]
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    if ns.layers is not None:
+        keep_first_layers(path, ns.layers)
     longest = max(contexts) + ns.steps + 2 * max(batches) + 64  # prompt + max_tokens of every request
     llm = LLM(path, device=ns.device, dtype="bfloat16" if ns.device == "cuda" else "float32", load_format="random",
               max_model_len=longest, kv_pool_tokens=max(batches) * longest + 4096,
-              max_running_requests=max(batches), max_prefill_length=8192)
+              max_running_requests=max(batches), max_prefill_length=8192, quantization=ns.quantization,
+              ple_backend=ns.ple_backend)
     graphs = llm.runner.graphs
     rows = []
     for mode in ns.graphs.split(","):
@@ -158,7 +167,8 @@ def main() -> None:
                 rows.append(run(llm, batch, context, ns.steps, seed=len(rows), graphs=mode == "on",
                                 top=ns.kernel_table, order=ns.kernel_order))
                 with open(os.path.join(ns.out, "profile_decode.json"), "w") as f:
-                    json.dump({"preset": ns.preset, "device": ns.device, "rows": rows}, f, indent=1)
+                    json.dump({"preset": ns.preset, "layers": ns.layers, "quantization": ns.quantization,
+                           "device": ns.device, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
