@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .moe_triton import GemmConfig, combine, expert_tile, tile_ends
+from .moe_triton import SORT_MAX, GemmConfig, combine, expert_tile, sort_assignments, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
 
 # (block_m, config) of each pass; block_k counts values (half as many bytes). The fastest of `tools/tune_moe.py
@@ -521,6 +521,14 @@ def _fit(config: tuple[int, GemmConfig], n_dim: int, k_dim: int, act_bytes: int,
     return block_m, GemmConfig(block_n, block_k, gemm.num_warps, gemm.num_stages)
 
 
+def _tiles(ends: torch.Tensor, rows: int, block_m: int, tile_end: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """:func:`~tidal.kernels.moe_triton.tile_ends`, its ``tile_end`` given or computed."""
+    if tile_end is None:
+        return tile_ends(ends, rows, block_m)
+    assert tile_end.shape == ends.shape and tile_end.dtype == ends.dtype
+    return tile_end, triton.cdiv(rows, block_m) + min(ends.shape[0], rows)
+
+
 def _default(config: tuple[int, GemmConfig], rows: int, experts: int) -> tuple[int, GemmConfig]:
     """A pass's tiles for ``rows`` expert-sorted rows over ``experts``: ``config``, or :data:`DECODE_CONFIG` where the
     rows average at most :data:`DECODE_ROWS` an expert."""
@@ -531,8 +539,8 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
                          scale: torch.Tensor, scale_2: torch.Tensor, top_k: int,
                          config: tuple[int, GemmConfig] | None = None, interleave: bool | None = None,
                          asm: bool | None = None, tma: bool | None = None, gathered: bool | None = None,
-                         swap: bool | None = None, words: bool | None = None, permute_out: bool = False
-                         ) -> torch.Tensor:
+                         swap: bool | None = None, words: bool | None = None, permute_out: bool = False,
+                         tokens: torch.Tensor | None = None, tile_end: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`~tidal.kernels.moe_triton.sorted_gate_up` over NVFP4 experts: ``silu(g) * u`` where ``[g | u] =
     x[order // top_k] @ W_e.T`` for the rows of each expert ``e``, ``W = e2m1 * scale * scale_2`` of ``packed
     [E, 2I, H/2]``, ``scale [E, 2I, H/16]`` (e4m3), ``scale_2 [E, 2I, 1]`` (fp32; gate rows first). Returns
@@ -540,7 +548,8 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     (``I`` a multiple of :data:`K_CHUNK`), which :func:`sorted_down_nvfp4` reads as they are. ``config``,
     ``interleave``, ``asm``, ``tma``, ``gathered``, ``swap`` and ``words`` override :data:`GATE_UP_CONFIG` (or
     :data:`DECODE_CONFIG`), :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`GATHERED`, :data:`SWAP` and
-    :data:`WORDS`."""
+    :data:`WORDS`. ``tokens`` (``order // top_k``) and ``tile_end`` (of the tiles' ``block_m``), where
+    :func:`~tidal.kernels.moe_triton.sort_assignments` gave them, spare their launches."""
     assignments, (num_experts, two_inter, _), hidden = order.numel(), packed.shape, x.shape[1]
     inter = two_inter // 2
     _check(packed, scale, scale_2, two_inter, hidden)
@@ -552,7 +561,7 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
     out = torch.empty(assignments, inter, dtype=x.dtype, device=x.device)
     if assignments == 0:
         return out
-    tile_end, max_tiles = tile_ends(ends, assignments, block_m)
+    tile_end, max_tiles = _tiles(ends, assignments, block_m, tile_end)
     interleave = INTERLEAVE if interleave is None else interleave
     swap = interleave and (SWAP if swap is None else swap)
     desc = _descriptor(packed, gemm, interleave, tma)
@@ -562,7 +571,8 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
         if words:  # the word tiles' order of K, the rows' too
             desc = _descriptor(packed, gemm, interleave, tma, words=True)
         # [A, H] in expert order
-        rows = permute_k(x, rows=order // top_k) if words else x.index_select(0, order // top_k)
+        tokens = order // top_k if tokens is None else tokens
+        rows = permute_k(x, rows=tokens) if words else x.index_select(0, tokens)
         a_desc = TensorDescriptor.from_tensor(rows, [block_m, gemm.block_k])
     else:
         words = False
@@ -581,14 +591,16 @@ def sorted_gate_up_nvfp4(x: torch.Tensor, order: torch.Tensor, ends: torch.Tenso
 def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                       scale_2: torch.Tensor, config: tuple[int, GemmConfig] | None = None,
                       interleave: bool | None = None, asm: bool | None = None, tma: bool | None = None,
-                      swap: bool | None = None, words: bool | None = None, permuted: bool = False) -> torch.Tensor:
+                      swap: bool | None = None, words: bool | None = None, permuted: bool = False,
+                      tile_end: torch.Tensor | None = None) -> torch.Tensor:
     """``act[rows of e] @ W_e.T`` for each expert ``e`` (``act [A, I]`` in expert order, its runs ending at
     ``ends``), ``W`` the NVFP4 ``down`` stack ``packed [E, H, I/2]``, ``scale [E, H, I/16]``, ``scale_2 [E, H,
     1]``. Returns ``[A, H]`` in ``act``'s dtype (rows past ``ends[-1]`` are left unwritten). ``permuted``: ``act``'s
     columns are in :func:`permute_k`'s order (``sorted_gate_up_nvfp4(..., permute_out=True)``), which word tiles read
     as they are (else they take a permuted copy, and other tiles an unpermuted one). ``config``, ``interleave``,
     ``asm``, ``tma``, ``swap`` and ``words`` override :data:`DOWN_CONFIG` (or :data:`DECODE_CONFIG`),
-    :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`SWAP` and :data:`WORDS`."""
+    :data:`INTERLEAVE`, :data:`ASM`, :data:`TMA`, :data:`SWAP` and :data:`WORDS`; ``tile_end`` as for
+    :func:`sorted_gate_up_nvfp4`."""
     rows, inter = act.shape
     num_experts, hidden, _ = packed.shape
     _check(packed, scale, scale_2, hidden, inter)
@@ -597,7 +609,7 @@ def sorted_down_nvfp4(act: torch.Tensor, ends: torch.Tensor, packed: torch.Tenso
     out = torch.empty(rows, hidden, dtype=act.dtype, device=act.device)
     if rows == 0:
         return out
-    tile_end, max_tiles = tile_ends(ends, rows, block_m)
+    tile_end, max_tiles = _tiles(ends, rows, block_m, tile_end)
     interleave = INTERLEAVE if interleave is None else interleave
     swap = interleave and (SWAP if swap is None else swap)
     desc = _descriptor(packed, gemm, interleave, tma)
@@ -628,16 +640,23 @@ def fused_experts_nvfp4_triton(x: torch.Tensor, ids: torch.Tensor, weights: torc
     """:func:`~tidal.kernels.moe.fused_experts_nvfp4` on the kernels: the assignments sorted by expert, the two
     grouped GEMMs above, then :func:`~tidal.kernels.moe_triton.combine` (the shared expert folded in for bf16,
     with the bits of the torch ops). No host sync."""
-    num_experts, top_k = gate_up.packed.shape[0], ids.shape[1]
-    sorted_ids, order = torch.sort(ids.flatten(), stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
-                              right=True, out_int32=True)
+    num_experts, top_k, assignments = gate_up.packed.shape[0], ids.shape[1], ids.numel()
+    block_m = _default(GATE_UP_CONFIG, assignments, num_experts)[0]
+    if 0 < assignments <= SORT_MAX:  # the sort, its inverse and both passes' tiles in one launch
+        order, inverse, tokens, ends, tile_end = sort_assignments(ids, num_experts, block_m)
+    else:
+        sorted_ids, order = torch.sort(ids.flatten(), stable=True)
+        ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype),
+                                  right=True, out_int32=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=x.device)
+        tokens = tile_end = None
     x = x if x.stride(1) == 1 else x.contiguous()
     permute = WORDS and down.packed.shape[2] * 2 % K_CHUNK == 0  # the activation in the down pass's word order
-    h = sorted_down_nvfp4(sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, permute_out=permute), ends, *down,
-                          permuted=permute)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=x.device)
+    act = sorted_gate_up_nvfp4(x, order, ends, *gate_up, top_k, permute_out=permute, tokens=tokens,
+                               tile_end=tile_end)
+    same = tile_end is not None and _default(DOWN_CONFIG, assignments, num_experts)[0] == block_m
+    h = sorted_down_nvfp4(act, ends, *down, permuted=permute, tile_end=tile_end if same else None)
     fold = shared is not None and shared[0].dtype == shared[1].dtype == h.dtype == torch.bfloat16
     out = combine(h, inverse, weights, shared if fold else None)
     if shared is not None and not fold:

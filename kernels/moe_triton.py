@@ -5,7 +5,9 @@ for what torch's grouped GEMM does not serve well: fp32/fp16 (the grouped GEMM t
 CUDA) and small token counts, where every expert sees one or two rows and the work is really a
 weight-streaming GEMV that the grouped GEMM's large tiles waste. The bf16 grouped path takes two of its
 passes from here too: :func:`sorted_gate_up` (gate_up reading its rows through the expert sort, with the
-SiLU gate) and :func:`combine` (the weighted sum of each token's expert outputs, plus the shared expert).
+SiLU gate) and :func:`combine` (the weighted sum of each token's expert outputs, plus the shared expert); the
+NVFP4 grouped GEMMs take :func:`sort_assignments` (a small batch's grouping by expert, its inverse and row tiles in
+one launch).
 
 Layout (the well-known "fused MoE" structure):
 
@@ -301,6 +303,53 @@ def _tile_end_kernel(ends_ptr, tile_end_ptr, num_experts, BLOCK_M: tl.constexpr,
     start = tl.load(ends_ptr + e - 1, mask=ok & (e > 0), other=0)
     tiles = tl.where(ok, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
     tl.store(tile_end_ptr + e, tl.cumsum(tiles, 0), mask=ok)
+
+
+# The most (token, expert) assignments :func:`sort_assignments` groups in its one program (decode batches, short
+# prompts).
+SORT_MAX = 1024
+
+
+@triton.jit
+def _sort_kernel(ids_ptr, order_ptr, inverse_ptr, token_ptr, ends_ptr, tile_end_ptr, cursor_ptr, assignments,
+                 num_experts, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BINS: tl.constexpr):
+    """One program: the experts' counts (a histogram), where their runs end and their row tiles
+    (:func:`_tile_end_kernel`) by two scans, then each assignment takes the next place of its expert's run by an
+    atomic increment of a cursor from the run's start."""
+    i = tl.arange(0, BLOCK_A)
+    ok = i < assignments
+    expert = tl.where(ok, tl.load(ids_ptr + i, mask=ok, other=0).to(tl.int32), num_experts)  # past: a spare bin
+    count = tl.histogram(expert, BINS)
+    end = tl.cumsum(count, 0)
+    e = tl.arange(0, BINS)
+    real = e < num_experts
+    tl.store(ends_ptr + e, end, mask=real)
+    tl.store(cursor_ptr + e, end - count, mask=real)
+    tl.store(tile_end_ptr + e, tl.cumsum((count + BLOCK_M - 1) // BLOCK_M, 0), mask=real)
+    tl.debug_barrier()  # the cursors stored above, taken by other threads
+    pos = tl.atomic_add(cursor_ptr + expert, 1, mask=ok)
+    tl.store(inverse_ptr + i, pos, mask=ok)
+    tl.store(order_ptr + pos, i, mask=ok)
+    tl.store(token_ptr + pos, i // TOP_K, mask=ok)
+
+
+def sort_assignments(ids: torch.Tensor, num_experts: int, block_m: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, inverse, token, ends, tile_end)`` of ``ids [T, K]``'s at most :data:`SORT_MAX` assignments in one
+    launch: ``order`` the assignments grouped by expert in expert order (within an expert's run in no set order,
+    which no row's result depends on), ``inverse`` its inverse, ``token = order // K``, ``ends`` int32 where each
+    expert's run ends, ``tile_end`` as :func:`tile_ends` gives for ``block_m``-row tiles."""
+    assignments, top_k = ids.numel(), ids.shape[1]
+    assert 0 < assignments <= SORT_MAX, assignments
+    flat = ids.reshape(-1)
+    order = torch.empty(assignments, dtype=torch.int64, device=ids.device)
+    inverse, token = torch.empty_like(order), torch.empty_like(order)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    tile_end, cursor = torch.empty_like(ends), torch.empty_like(ends)
+    block_a = max(32, triton.next_power_of_2(assignments))
+    _sort_kernel[(1,)](flat, order, inverse, token, ends, tile_end, cursor, assignments, num_experts, TOP_K=top_k,
+                       BLOCK_M=block_m, BLOCK_A=block_a, BINS=triton.next_power_of_2(num_experts + 1), num_warps=4)
+    return order, inverse, token, ends, tile_end
 
 
 @triton.jit

@@ -182,6 +182,14 @@ def test_fused_experts_nvfp4_equals_the_loop(tokens):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # fp32 sums in another order, two GEMMs deep
 
 
+def test_one_program_sort_gives_the_bits_of_the_torch_sort(monkeypatch):
+    """A small batch sorted in one launch (``sort_assignments``) and through torch's sort: the same output bits."""
+    x, ids, weights, gate_up, down = case(19, 3, 7, 64, 32, empty=(5,))
+    one = moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down)
+    monkeypatch.setattr(moe_nvfp4_triton, "SORT_MAX", 0)
+    assert torch.equal(moe_nvfp4_triton.fused_experts_nvfp4_triton(x, ids, weights, gate_up, down), one)
+
+
 def test_an_expert_cache_of_more_slots_than_a_grouped_gemm_call_takes():
     """1,100 experts (an offloaded layer reads the whole expert cache in place; torch's grouped GEMM takes at most
     1,023 groups a call): the rows of experts past the first 1,024 come out as the loop computes them."""

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from tidal.kernels import moe_triton  # noqa: E402
 from tidal.kernels.moe import fused_experts, fused_experts_ref  # noqa: E402
-from tidal.kernels.moe_triton import align_assignments, fused_experts_triton  # noqa: E402
+from tidal.kernels.moe_triton import align_assignments, fused_experts_triton, sort_assignments, tile_ends  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EXPERTS, HIDDEN, INTER = 8, 64, 32
@@ -95,6 +95,36 @@ def _assert_close_to_ref(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (out - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
 
 
+def _check_sort(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """``sort_assignments`` against torch's stable sort, ``searchsorted`` and ``tile_ends``: the same runs of the same
+    assignments (in any order within a run), the inverse, tokens, run ends and tiles to the element."""
+    order, inverse, tokens, ends, tile_end = sort_assignments(ids, num_experts, block_m)
+    flat = ids.flatten()
+    sorted_ids, want_order = torch.sort(flat, stable=True)
+    want_ends = torch.searchsorted(sorted_ids, torch.arange(num_experts, device=ids.device, dtype=sorted_ids.dtype),
+                                   right=True, out_int32=True)
+    assert torch.equal(ends, want_ends) and torch.equal(tile_end, tile_ends(want_ends, ids.numel(), block_m)[0])
+    assert torch.equal(flat[order], sorted_ids)  # every run holds its expert's assignments only
+    assert torch.equal(order.sort().values, torch.arange(flat.numel(), device=ids.device))  # each exactly once
+    assert torch.equal(inverse[order], torch.arange(flat.numel(), device=ids.device))
+    assert torch.equal(tokens, order // ids.shape[1])
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [
+    (1, 2, 8, 16), (5, 3, 8, 4), (37, 3, 8, 16), (13, 4, 100, 1), (32, 10, 512, 16), (102, 10, 1100, 64)])
+def test_sort_assignments_is_torch_sort(tokens, top_k, experts, block_m):
+    """One program's sort by expert, its inverse and the row tiles, against the torch ops they replace: skewed ids
+    (an expert in every token, two in none), random ids over more experts than a chunk, up to :data:`SORT_MAX`."""
+    if experts == EXPERTS:
+        ids = _skewed_ids(tokens, top_k)
+    else:
+        g = torch.Generator().manual_seed(tokens)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    assert ids.numel() <= moe_triton.SORT_MAX
+    _check_sort(ids.to(DEV), experts, block_m)
+    _check_sort(torch.full((tokens, top_k), experts - 1, device=DEV), experts, block_m)  # one expert takes all
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 37])
 @pytest.mark.parametrize("top_k", [2, 3])
 def test_triton_matches_the_loop(tokens, top_k):
@@ -147,6 +177,18 @@ def _bench_case(tokens: int, dtype: torch.dtype):
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 17, 32, 102])
+def test_sort_assignments_decode_shapes_gpu(tokens):
+    """The one-program sort at flash-next's routing (512 experts, top-10) compiled, up to :data:`SORT_MAX`; one
+    expert taking every assignment (its cursor incremented by all at once)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(512, generator=g)[:10] for _ in range(tokens)]).to(DEV)
+    for block_m in (16, 128):
+        _check_sort(ids, 512, block_m)
+    _check_sort(torch.full((tokens, 10), 7, device=DEV), 512, 16)
 
 
 @pytest.mark.gpu

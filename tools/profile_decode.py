@@ -11,7 +11,8 @@ step, GPU busy time per step (the union of the CUDA kernel intervals, so overlap
 once) and the GPU's idle time between and inside steps (wall - busy). ``--graphs`` lists the arms: decode
 steps replayed from CUDA graphs (``on``) and run eagerly (``off``, as ``--disable-cuda-graph``); one model
 serves both, the graphs set aside while no request runs. ``--layers`` keeps the preset's first N decoder
-layers; ``--quantization`` gives it random routed experts and n-gram table in that layout. Writes ``DIR/profile_decode.json``.
+layers; ``--quantization`` gives it random routed experts and n-gram table in that layout.
+Writes ``DIR/profile_decode.json``.
 """
 
 from __future__ import annotations
