@@ -59,10 +59,10 @@ TRITON_MAX_ASSIGNMENTS = 0
 GEMV_MAX_TOKENS = 64
 # NVFP4 experts take the GEMVs for decode batches of at most this many tokens, and the grouped GEMMs at their
 # decode tiles (``moe_nvfp4_triton.DECODE_CONFIG``) above: those read each distinct expert once where the GEMVs
-# stream an expert for each of its tokens, and decode codes for the tensor cores. Measured on the H200 at
-# flash-next's shapes (tools/tune_moe.py --decode-tokens), the whole routed experts of 32 tokens: 349 us grouped
-# against 462 us for the fastest GEMV tiles.
-NVFP4_GEMV_MAX_TOKENS = 16
+# stream an expert for each of its tokens, and decode codes for the tensor cores. Measured on an H100 at
+# flash-next's shapes (tools/tune_moe.py --decode-tokens), the whole routed experts grouped against the fastest GEMV
+# tiles: 16 tokens 210 us against 242, 8 tokens 126 against 127 (a tie), 4 tokens 90 against 67.
+NVFP4_GEMV_MAX_TOKENS = 8
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
