@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .moe_triton import SORT_MAX, GemmConfig, combine, expert_tile, sort_assignments, tile_ends
+from .moe_triton import SORT_MAX, GemmConfig, combine, expert_tile, max_tiles, sort_assignments, tile_ends
 from .quant import NVFP4_GROUP, Nvfp4
 
 # (block_m, config) of each pass; block_k counts values (half as many bytes). The fastest of `tools/tune_moe.py
@@ -154,17 +154,26 @@ def fp4_asm(b, s):
 
 
 @triton.jit
-def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
-    """A tile of packed bytes ``b`` (uint8 ``[BLOCK_N, BLOCK_K / 2]``) and its e4m3 scale bytes ``s`` (``[BLOCK_N,
-    BLOCK_K / GROUP]``) in column order, each byte's even and odd values joined: fp16 ``code * scale * 2^-14`` by
-    Triton's operations (the scales converted in hardware and widened to the bytes in registers), or with ``ASM``
-    (CUDA only) bf16 ``code * scale * 2^-8`` by :func:`fp4_asm`. :func:`fp4_unscale` gives the factor."""
+def _fp4_scale_per(s, PER: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr):
+    """The e4m3 scale bytes ``s`` (``[BLOCK_N, BLOCK_K / GROUP]``) as fp16 (with ``ASM``: bf16 times
+    :data:`FP4_SCALE_BIAS`), each repeated ``PER`` times along K: one a byte or a word of the group's codes."""
     s = s.to(tl.float8e4nv, bitcast=True)
     if ASM:
         s = (s.to(tl.float32) * FP4_SCALE_BIAS).to(tl.bfloat16)
     else:
         s = s.to(tl.float16)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 2)), (BLOCK_N, BLOCK_K // 2))
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, PER)),
+                      (BLOCK_N, BLOCK_K // GROUP * PER))
+
+
+@triton.jit
+def fp4_tile(b, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
+    """A tile of packed bytes ``b`` (uint8 ``[BLOCK_N, BLOCK_K / 2]``) and its e4m3 scale bytes ``s`` (``[BLOCK_N,
+    BLOCK_K / GROUP]``) in column order, each byte's even and odd values joined: fp16 ``code * scale * 2^-14`` by
+    Triton's operations (the scales converted in hardware and widened to the bytes in registers), or with ``ASM``
+    (CUDA only) bf16 ``code * scale * 2^-8`` by :func:`fp4_asm`. :func:`fp4_unscale` gives the factor."""
+    s = _fp4_scale_per(s, GROUP // 2, GROUP, BLOCK_N, BLOCK_K, ASM)
     if ASM:
         even, odd = fp4_asm(b, s)
     else:
@@ -274,12 +283,7 @@ def fp4_words(w, s, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     order of K: fp16 ``code * scale * 2^-14`` by Triton's operations, or with ``ASM`` (CUDA only) bf16 ``code *
     scale * 2^-8`` by :func:`fp4_words_asm` (:func:`fp4_unscale` gives the factor). In that order the values of
     two consecutive words (one scale group) are the values of the MMA operand one thread holds."""
-    s = s.to(tl.float8e4nv, bitcast=True)
-    if ASM:
-        s = (s.to(tl.float32) * FP4_SCALE_BIAS).to(tl.bfloat16)
-    else:
-        s = s.to(tl.float16)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // GROUP, GROUP // 8)), (BLOCK_N, BLOCK_K // 8))
+    s = _fp4_scale_per(s, GROUP // 8, GROUP, BLOCK_N, BLOCK_K, ASM)
     if ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = fp4_words_asm(w, s)
     else:
@@ -526,7 +530,7 @@ def _tiles(ends: torch.Tensor, rows: int, block_m: int, tile_end: torch.Tensor |
     if tile_end is None:
         return tile_ends(ends, rows, block_m)
     assert tile_end.shape == ends.shape and tile_end.dtype == ends.dtype
-    return tile_end, triton.cdiv(rows, block_m) + min(ends.shape[0], rows)
+    return tile_end, max_tiles(rows, block_m, ends.shape[0])
 
 
 def _default(config: tuple[int, GemmConfig], rows: int, experts: int) -> tuple[int, GemmConfig]:

@@ -406,7 +406,12 @@ def tile_ends(ends: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor
     num_experts = ends.shape[0]
     tile_end = torch.empty_like(ends)
     _tile_end_kernel[(1,)](ends, tile_end, num_experts, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts))
-    return tile_end, triton.cdiv(rows, block_m) + min(num_experts, rows)
+    return tile_end, max_tiles(rows, block_m, num_experts)
+
+
+def max_tiles(rows: int, block_m: int, num_experts: int) -> int:
+    """A bound on the ``block_m``-row tiles ``rows`` expert-sorted rows over ``num_experts`` take, from shapes alone."""
+    return triton.cdiv(rows, block_m) + min(num_experts, rows)
 
 
 def sorted_gate_up(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, top_k: int,
