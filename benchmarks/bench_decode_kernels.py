@@ -257,7 +257,7 @@ def bench_gemv(tokens_list, bw, results):
             results["gemv"].append(row)
 
 
-SKINNY_TILES = ((16, 256, 4), (16, 128, 6), (32, 128, 4), (32, 128, 6), (32, 256, 3), (64, 64, 6), (64, 128, 4))
+SKINNY_TILES = ((16, 256, 4), (16, 128, 6), (32, 128, 4), (32, 256, 3), (64, 128, 4))
 SKINNY_PROGRAMS = (132, 264, 528)
 
 
