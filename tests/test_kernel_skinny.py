@@ -85,6 +85,7 @@ def test_linear_takes_the_kernel_of_its_row_count(sk, monkeypatch):
     from tidal.kernels import gemv_triton
 
     monkeypatch.setattr(gemv_ops, "use_triton", lambda t, name=None: name in ("gemv", "skinny"))
+    monkeypatch.setattr(gemv_ops, "SKINNY_ROWS", 9)
     calls = []
     real_gemv, real_skinny = gemv_triton.gemv_triton, sk.skinny_triton
     monkeypatch.setattr(gemv_triton, "gemv_triton", lambda *a, **k: calls.append(("gemv", a[0].shape[0]))
