@@ -2,8 +2,7 @@
 (as decode runs them).
 
     python benchmarks/bench_decode_kernels.py --out DIR [--parts route,moe,qsa] [--tokens 1,2,4,8,16,32,48,64]
-        [--contexts 8192,32768,131072] [--prefill 32768] [--hc-hidden 2048]
-        (parts: route, moe, qsa, hc, gemv, skinny)
+        [--contexts 8192,32768,131072] [--prefill 32768] [--hc-hidden 2048]   (parts: route, moe, qsa, hc, gemv)
 
 MoE (the bench shapes: hidden 2048, 512 experts, top-10, intermediate 512, shared expert 512): for T
 tokens, the ``grouped`` arm is the layer's MoE after the router GEMM as it ran before the GEMV kernels
@@ -24,10 +23,7 @@ inject]`` GEMM, the gate kernel, the ``up`` GEMM, the block-input kernel) and th
 ``hc_norm_down_triton`` then ``hc_mix_tail_triton`` at each launch shape; each of the two alone is timed
 for every shape too. Dense GEMV (``--parts gemv``): the
 decode step's other projections (router, out projection, the input stacks) through ``F.linear`` and through
-``gemv_triton``. Few-row GEMM (``--parts skinny``): the flash-next decode step's projections (``--hc-hidden``
-sets the hidden size of the shapes, 2560 for flash-next) at 3-64 rows through ``F.linear`` (cuBLAS) and through
-``skinny_triton`` at each candidate config, with the largest difference from ``F.linear``. Weights rotate over
-enough copies to exceed the L2 cache (a step reads each once, from HBM).
+``gemv_triton``. Weights rotate over enough copies to exceed the L2 cache (a step reads each once, from HBM).
 
 Prints a table and writes ``DIR/bench_decode_kernels.json``.
 """
@@ -51,9 +47,6 @@ from tidal.kernels.moe_decode_triton import GemvConfig, moe_gemv, route_triton
 from tidal.kernels.moe_triton import silu_mul
 from tidal.kernels.qsa import pick_blocks
 from tidal.kernels.qsa_triton import qsa_select
-from tidal.kernels.skinny_triton import DEFAULT as SKINNY_DEFAULT
-from tidal.kernels.skinny_triton import MAX_ROWS as SKINNY_MAX_ROWS
-from tidal.kernels.skinny_triton import SkinnyConfig, skinny_triton
 
 H, E, K, INTER, S_INTER = 2048, 512, 10, 512, 512
 CANDIDATES = [
@@ -257,54 +250,6 @@ def bench_gemv(tokens_list, bw, results):
             results["gemv"].append(row)
 
 
-SKINNY_TILES = ((16, 256, 4), (16, 128, 6), (32, 128, 4), (32, 256, 3), (64, 128, 4))
-SKINNY_PROGRAMS = (132, 264, 528)
-
-
-def flash_next_projections(hidden: int) -> dict[str, tuple[int, int]]:
-    """``name: (out, in)`` of the decode step's dense projections in flash-next's geometry (hidden 2560:
-    value heads 48 x 128, key heads 16 x 128, attention 24 x 256 gated, 2 KV heads, QSA index 4 x 128,
-    intermediate 640, hc 4 streams, low rank 320), scaled with ``hidden``."""
-    r = hidden / 2560
-    value, key, q = int(6144 * r), int(2048 * r), int(6144 * r)
-    return {"GDN [qkv; z; b; a]": (2 * key + 2 * value + 96, hidden), "GDN / attention out": (hidden, value),
-            "attention [q_gate; k; v; index]": (2 * q + 1024 + 640, hidden), "shared [gate; up]": (1280, hidden),
-            "shared down": (hidden, 640), "router": (512, hidden), "shared gate": (1, hidden),
-            "HC [down; inject]": (LOWRANK + HC + 4, HC * hidden), "HC up": (HC * hidden, LOWRANK)}
-
-
-def bench_skinny(tokens_list, bw, results, hidden: int):
-    g = torch.Generator(device="cuda").manual_seed(5)
-    configs = [SkinnyConfig(bn, bk, 4, st, mp) for bn, bk, st in SKINNY_TILES for mp in SKINNY_PROGRAMS]
-
-    def arm(x, cfg, w):
-        return skinny_triton(x, w, cfg)
-
-    def label(c: SkinnyConfig) -> str:
-        return f"n{c.block_n}/k{c.block_k}/s{c.num_stages}/p{c.min_programs}"
-
-    for name, (n, k) in flash_next_projections(hidden).items():
-        # at most 64 copies: the shared gate's 5 KB would need thousands (its reads stay in L2 in a step too)
-        weights = [((torch.randn(n, k, generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16),)
-                   for _ in range(min(64, copies_beyond_l2(n * k * 2)))]
-        floor_us = n * k * 2 / bw * 1e6
-        for t in (t for t in tokens_list if 2 < t <= SKINNY_MAX_ROWS):
-            x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
-            arms = {label(c): rotated_us(functools.partial(arm, x, c), weights) for c in configs}
-            arms.setdefault(label(SKINNY_DEFAULT), rotated_us(functools.partial(arm, x, SKINNY_DEFAULT), weights))
-            best = min(arms, key=arms.get)
-            want = F.linear(x.float(), weights[0][0].float())
-            diff = max(float((skinny_triton(x, weights[0][0], c).float() - want).abs().max()) for c in configs)
-            row = {"weight": name, "out": n, "in": k, "tokens": t, "floor_us": floor_us,
-                   "cublas_us": rotated_us(functools.partial(F.linear, x), weights), "skinny_us": arms, "best": best,
-                   "max_abs_diff_fp32": diff,
-                   "cublas_max_abs_diff_fp32": float((F.linear(x, weights[0][0]).float() - want).abs().max())}
-            print(f"skinny {name:>32} T={t:>2} cublas {row['cublas_us']:7.2f}  skinny {arms[best]:7.2f} ({best})"
-                  f"  default {arms[label(SKINNY_DEFAULT)]:7.2f}  floor {floor_us:7.2f}  |diff| {diff:.2g} "
-                  f"(cublas {row['cublas_max_abs_diff_fp32']:.2g})", flush=True)
-            results["skinny"].append(row)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -319,7 +264,7 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     bw = measure_bandwidth(torch.device("cuda"))["bytes_per_s"]
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s")
-    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "hc": [], "gemv": [], "skinny": []}
+    results = {"bandwidth_bytes_per_s": bw, "moe": [], "qsa": [], "route": [], "hc": [], "gemv": []}
     parts = args.parts.split(",")
     if "route" in parts:
         bench_route(results)
@@ -327,8 +272,6 @@ def main() -> None:
         bench_hc(tokens, bw, results, args.hc_hidden)
     if "gemv" in parts:
         bench_gemv(tokens, bw, results)
-    if "skinny" in parts:
-        bench_skinny(tokens, bw, results, args.hc_hidden)
     if "moe" in parts:
         bench_moe(tokens, bw, results)
     if "qsa" in parts:

@@ -54,7 +54,6 @@ KERNELS = (
     "route",          # router softmax + top-k (kernels/moe.route)
     "seeded_rows",    # random n-gram table rows drawn from the seed (executor/weights.table_rows)
     "shared_expert",  # the shared expert's [gate; up] GEMM and SiLU-gate
-    "skinny",         # projections of a decode batch's few rows on the tensor cores (kernels/skinny_triton)
     "stacked",        # GDN's and attention's input projections as one GEMM
 )
 

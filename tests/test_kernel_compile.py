@@ -1,7 +1,7 @@
-"""The NVFP4, decode GEMV, few-row GEMM and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton
-lowers them to PTX and its bundled ptxas assembles it, no GPU needed. The interpreter runs a kernel's arithmetic but
-not its lowering: a type that differs between two returns, a layout Triton cannot convert or a PTX typo only fails
-here (or on a GPU). Each variant the tuning switches select is compiled as the launchers would launch it at the model's
+"""The NVFP4, decode GEMV and PLE-gather kernels compile for an H200 (sm_90) on any machine: Triton lowers them to
+PTX and its bundled ptxas assembles it, no GPU needed. The interpreter runs a kernel's arithmetic but not its
+lowering: a type that differs between two returns, a layout Triton cannot convert or a PTX typo only fails here (or
+on a GPU). Each variant the tuning switches select is compiled as the launchers would launch it at the model's
 shapes.
 
 The compiles run in one child process without ``TRITON_INTERPRET`` (the other kernel tests set it before their
@@ -125,27 +125,6 @@ def gather_rows() -> None:
                      {"BLOCK_R": ple_triton.GATHER_ROWS, "BLOCK_W": ple_triton.GATHER_BYTES})
 
 
-def skinny(block_m: int, dtype: str) -> None:
-    """The few-row GEMM at its default tiles for ``block_m`` padded rows, and the split-sum launch; bf16 multiplies
-    on the tensor cores."""
-    from tidal.kernels import skinny_triton
-
-    cfg = skinny_triton.DEFAULT
-    ints = dict.fromkeys(("rows", "n_out", "k_in", "k_split", "stride_x", "stride_w", "stride_o", "stride_split"),
-                         "i32")
-    compiled = compile_for_h200(skinny_triton._skinny_kernel,
-                                {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": "*fp32", **ints},
-                                {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                                 "STAGES": cfg.num_stages, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
-                                 "PDL": True}, cfg.num_warps, cfg.num_stages)
-    assert compiled.metadata.shared <= SMEM_LIMIT, f"{compiled.metadata.shared} bytes of shared memory"
-    if dtype == "bf16":
-        assert "mma" in compiled.asm["ptx"], "no tensor-core MMA"
-    compile_for_h200(skinny_triton._sum_splits_kernel,
-                     {"part_ptr": "*fp32", "y_ptr": f"*{dtype}", "count": "i32", "splits": "i32"},
-                     {"BLOCK": 1024, "PDL": True})
-
-
 CASES = {
     **{f"grouped {dtype} interleave={i} asm={a} tma={t} gathered={g} swap={s} words={w}":
        (grouped_gemms, (dtype, i, a, t, g, s, w))
@@ -158,8 +137,6 @@ CASES = {
        for n, f, a, dtype in [(1, True, False, "bf16"), (1, True, True, "bf16"), (32, True, True, "bf16"),
                               (1, True, True, "fp16"), (1, False, False, "bf16")]},
     "gather_rows": (gather_rows, ()),
-    **{f"skinny rows={m} {dtype}": (skinny, (m, dtype)) for m, dtype in [(16, "bf16"), (32, "bf16"), (64, "bf16"),
-                                                                         (32, "fp32")]},
 }
 
 

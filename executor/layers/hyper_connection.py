@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.backend import next_pow2, use_triton
 from ...kernels.common import MAX_K
-from ...kernels.gemv import linear
 from ...kernels.hyper_connection import MIX_GEMV_ROWS, hc_block_input, hc_gate_act, hc_residual_norm
 from ..distributed import split, tp
 from .linear import Linear, RMSNorm, StackedWeight
@@ -71,14 +71,14 @@ class GatedResidual(nn.Module):
         if group.size > 1 and owned_rows:
             # Row sharding: the ranks hold different rows, so each mixes its own with the whole
             # down-mix weight (gathered from the ranks' input slices at start-up).
-            down = linear(normed, self.full_down_weight())
+            down = F.linear(normed, self.full_down_weight())
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
         elif group.size > 1:
             start, count = self._cols
             down = group.all_reduce(self.input_mix_weight_down(normed.narrow(-1, start, count).contiguous()))
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)
         elif self.block_inject_weight is not None and use_triton(normed, "hc"):
-            down, logits = self._down_inject.split(linear(normed, self._down_inject.get()))
+            down, logits = self._down_inject.split(F.linear(normed, self._down_inject.get()))
         else:
             down = self.input_mix_weight_down(normed)
             logits = None if self.block_inject_weight is None else self.block_inject_weight(normed)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.gemv import linear
 from ...kernels.norm import rms_norm
 
 
 class Linear(nn.Module):
-    """``y = x W^T`` (no bias in Qwen4-Exp unless ``attention_bias``); a decode step's few rows take the
-    kernels of ``kernels/gemv``."""
+    """``y = x W^T`` (no bias in Qwen4-Exp unless ``attention_bias``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -19,7 +18,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _version(t: torch.Tensor) -> int:

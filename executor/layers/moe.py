@@ -36,7 +36,7 @@ class SharedExpert(nn.Module):
             from ...kernels.moe_triton import silu_mul
 
             inter = self.gate_proj.weight.shape[0]
-            return self.down_proj(silu_mul(linear(x, self.gate_up()[:2 * inter])))
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up()[:2 * inter])))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
