@@ -2,7 +2,7 @@
 
     python benchmarks/bench_startup.py --out DIR [--preset flash-next] [--starts 2]
                                        [--lengths 16,512,4000,16000] [--burst 32] [--burst-prompt 256]
-                                       [--burst-tokens 16]
+                                       [--burst-tokens 16] [--coalesce]
                                        [--device cuda] [-- extra tidal serve flags]
 
 Starts ``tidal serve --load-format random`` (plus the flags after ``--``) ``--starts`` times over one compile
@@ -13,7 +13,10 @@ the server gets (its median first text over the second's: ``first_burst_over_sec
 of each ``--lengths`` length (4 output tokens); then ``/metrics``' ``tidal_compilations_after_ready_total`` and
 ``tidal_graph_captures_after_ready_total``, both 0 when the warm-up met every kernel variant and graph shape.
 Per start it records the seconds from launch to ``/health`` 200 and the warm-up's log lines (its time, and the
-kernels that took longest to compile).
+kernels that took longest to compile). ``--coalesce``: one more start over the same cache with
+``--prefill-coalesce`` added, the same bursts and prompts, and per length its first text over the last start's
+(``coalesce_over_default``): a cold prompt without it runs its tail after the last checkpoint as a forward of its
+own.
 Writes ``DIR/bench_startup.json`` after every start.
 """
 
@@ -124,6 +127,8 @@ def main() -> None:
     ap.add_argument("--burst-prompt", type=int, default=256)
     ap.add_argument("--burst-tokens", type=int, default=16)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--coalesce", action="store_true",
+                    help="one more start with --prefill-coalesce, its first texts against the last start's")
     ns = ap.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -134,6 +139,16 @@ def main() -> None:
     for i in range(ns.starts):
         print(f"start {i + 1} ({'empty compile cache' if i == 0 else 'the cache the first start left'})", flush=True)
         result["starts"].append(one_start(path, ns, flags, prompts))
+        with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if ns.coalesce and result["starts"]:
+        print("start with --prefill-coalesce (the same cache)", flush=True)
+        result["coalesce"] = one_start(path, ns, [*flags, "--prefill-coalesce"], prompts)
+        default = result["starts"][-1]["first_text_s"]
+        result["coalesce_over_default"] = {n: s / default[n] for n, s in result["coalesce"]["first_text_s"].items()}
+        for n, ratio in result["coalesce_over_default"].items():
+            print(f"  {n}-token prompt: first text {result['coalesce']['first_text_s'][n]:.3f} s with "
+                  f"--prefill-coalesce against {default[n]:.3f} s ({ratio:.2f}x)", flush=True)
         with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
             json.dump(result, f, indent=1)
     print("\nstart   ready s   first burst / second   compiled after ready   captured after ready")
