@@ -136,11 +136,15 @@ def main() -> None:
     flags = ["--load-format", "random", "--compile-cache", cache, *extra]
     result: dict = {"preset": ns.preset, "device": ns.device, "flags": flags, "starts": []}
     prompts = Prompts(3)
+
+    def save() -> None:
+        with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
     for i in range(ns.starts):
         print(f"start {i + 1} ({'empty compile cache' if i == 0 else 'the cache the first start left'})", flush=True)
         result["starts"].append(one_start(path, ns, flags, prompts))
-        with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        save()
     if ns.coalesce and result["starts"]:
         print("start with --prefill-coalesce (the same cache)", flush=True)
         result["coalesce"] = one_start(path, ns, [*flags, "--prefill-coalesce"], prompts)
@@ -149,8 +153,7 @@ def main() -> None:
         for n, ratio in result["coalesce_over_default"].items():
             print(f"  {n}-token prompt: first text {result['coalesce']['first_text_s'][n]:.3f} s with "
                   f"--prefill-coalesce against {default[n]:.3f} s ({ratio:.2f}x)", flush=True)
-        with open(os.path.join(ns.out, "bench_startup.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        save()
     print("\nstart   ready s   first burst / second   compiled after ready   captured after ready")
     for i, s in enumerate(result["starts"]):
         a = s["after_ready"]
