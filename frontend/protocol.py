@@ -136,6 +136,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_ids(v: Any) -> bool:
+    """An array of integers (booleans are not): one pass of C-level type lookups, a 32K-token prompt in
+    well under a millisecond (JSON gives no int subclass but bool)."""
+    return isinstance(v, list) and (not v or set(map(type, v)) == {int})
+
+
 def _is_num(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # math.isfinite(10**400) overflows
 
@@ -341,6 +347,8 @@ def _check_prompt_ids(ids: list[int], limits: Limits, param: str) -> None:
         raise bad(param, f"'{param}' has {len(ids)} tokens; the model's context length is {limits.max_model_len}")
     if len(ids) >= limits.kv_capacity:
         raise bad(param, f"'{param}' has {len(ids)} tokens; the KV cache holds {limits.kv_capacity}")
+    if min(ids) >= 0 and max(ids) < limits.vocab_size:
+        return
     for t in ids:
         if not 0 <= t < limits.vocab_size:
             raise bad(param, f"'{param}' holds the token id {_show(t)}, outside the vocabulary (0 to "
@@ -373,7 +381,7 @@ def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer, body: dict) 
     if isinstance(prompt, str):
         truncating = body.get("truncate_prompt_tokens") is not None
         ids = _encode(param, prompt, tokenizer, limits, check_length=not truncating)
-    elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+    elif _is_ids(prompt):
         ids = list(prompt)
     else:
         raise bad(param, f"'{param}' must be a string or an array of token ids, got {_show(prompt)}")
@@ -391,7 +399,7 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
         if len(prompt) > MAX_PROMPTS:
             raise bad("prompt", f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         prompts = [_one_prompt(p, f"prompt[{i}]", limits, tokenizer, body) for i, p in enumerate(prompt)]
-    elif isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+    elif isinstance(prompt, str) or _is_ids(prompt):
         prompts = [_one_prompt(prompt, "prompt", limits, tokenizer, body)]
     else:
         raise bad("prompt", f"'prompt' must be a string, an array of token ids, or an array of prompts (strings "

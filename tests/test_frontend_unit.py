@@ -73,3 +73,45 @@ def test_answers_503_before_the_tokenizer_is_loaded(tiny_checkpoint, tmp_path):
 
     asyncio.run(go())
     assert not frontend.loaded
+
+
+def test_token_id_prompts_are_checked_element_by_element():
+    """Token-id prompts: accepted exactly when every element is an integer (not a boolean) inside the
+    vocabulary, whatever the array's length and wherever the bad element sits; a refusal names the field
+    and, for an id outside the vocabulary, the first such id."""
+    from tidal.frontend.errors import APIError
+    from tidal.frontend.protocol import Limits, parse_completion
+
+    vocab = 1000
+    limits = Limits(model_name="m", max_model_len=1 << 16, kv_capacity=1 << 20, vocab_size=vocab)
+
+    def valid(ids) -> bool:  # the rule, one element at a time
+        return bool(ids) and all(type(t) is int and 0 <= t < vocab for t in ids)
+
+    base = list(range(1, 5001))
+    base = [t % vocab for t in base]
+    cases = [base, [0], [vocab - 1], [], [vocab], [-1], [10**30], [True], [1, False], [1.0], [2, 3.5], [[1], 2],
+             [1, None], [1, "2"]]
+    for bad_value in (True, 7.0, -3, vocab, 10**20, None, "5", [5]):
+        for where in (0, 2500, 4999):
+            ids = list(base)
+            ids[where] = bad_value
+            cases.append(ids)
+    for ids in cases:
+        try:
+            parsed = parse_completion({"prompt": ids}, limits, None)
+        except APIError as e:
+            assert not valid(ids), ids[:8]
+            assert e.status == 400 and e.param == "prompt", e.body()
+            out = [t for t in ids if type(t) is int and not 0 <= t < vocab]
+            if ids and all(type(t) is int for t in ids) and out:
+                assert f"token id {out[0]}" in e.message, e.message
+            continue
+        assert valid(ids), ids[:8]
+        assert parsed.prompts == [ids]
+    # A list of prompts: each is checked, the refusal names the one that fails.
+    try:
+        parse_completion({"prompt": [[1, 2], [3, True]]}, limits, None)
+        raise AssertionError("a boolean token id was accepted")
+    except APIError as e:
+        assert e.param == "prompt[1]", e.body()
