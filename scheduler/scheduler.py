@@ -618,6 +618,8 @@ class Scheduler:
             else:
                 cache.slots.free(req.rolling_slot)
             req.rolling_slot = None
+        if publish and req.page_keys:  # the next turn of this conversation hashes only its own pages
+            cache.remember(req.key_tokens(0, len(req.page_keys) * self.sizes.page_size), req.page_keys)
 
     def _fail(self, rid: str, error: str, prompt_len: int) -> None:
         self.counters["requests_aborted"] += 1

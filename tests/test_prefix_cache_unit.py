@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from tidal import LLM
+from tidal.scheduler import prefix_cache as prefix_cache_module
 from tidal.scheduler.checkpoint_plan import plan_prompt
 from tidal.scheduler.pools import PagePool, SlotPool
-from tidal.scheduler.prefix_cache import PrefixCache
+from tidal.scheduler.prefix_cache import MEMO_MIN_PAGES, HashMemo, PrefixCache, chain_hashes
 
 
 def test_plan_align_mode_cuts_at_the_checkpoint():
@@ -92,6 +93,63 @@ def test_release_evicts_deepest_first_and_locked_checkpoints_stay():
     assert cache.alloc_checkpoint_slot() == slot and counters["checkpoints_evicted"] == 1
 
 
+def _counting_hashes(monkeypatch) -> list[int]:
+    """Pages hashed by the prefix cache from now on, one count per chain_hashes call."""
+    counts: list[int] = []
+
+    def counted(tokens, page_size, start=prefix_cache_module.ROOT):
+        counts.append(len(tokens) // page_size)
+        return chain_hashes(tokens, page_size, start)
+
+    monkeypatch.setattr(prefix_cache_module, "chain_hashes", counted)
+    return counts
+
+
+def test_prefix_keys_equal_the_chain_hashes_whatever_the_memo_holds(monkeypatch):
+    """Conversations, branches, unrelated and short prompts: every prompt's keys are the chain hashes of its own
+    tokens, a prompt that extends one hashed before hashes only its new pages, and a memo small enough to evict
+    gives the same keys."""
+    counts = _counting_hashes(monkeypatch)
+    page = 4
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, 1000, (n,), generator=gen).tolist()
+
+    def pages(prompt: list[int]) -> int:  # what prefix_keys hashes without a memo
+        return (len(prompt) - 1) // page
+
+    cache, _ = _cache(page_size=page)
+    base = ids(page * MEMO_MIN_PAGES * 2 + 3)
+    turns = [base]
+    for _ in range(4):
+        turns.append(turns[-1] + ids(page * 20 + 1))
+    prompts: list[tuple[list[int], int]] = [(base, pages(base))]  # (prompt, pages it may hash at most)
+    prompts += [(base + ids(9), 3), (base + ids(9), 3), (ids(page * MEMO_MIN_PAGES + 1), pages(base)),
+                (base[:page * 3], 3), (base[:-50] + ids(70), pages(base) + 5), (ids(30), 8)]
+    prompts += [(t, pages(t) - pages(p)) for p, t in zip(turns[:-1], turns[1:], strict=True)]
+    prompts += [(base + ids(5), 2), (base[:page * MEMO_MIN_PAGES + 7] + ids(1), pages(base))]
+    for i, (prompt, most) in enumerate(prompts):
+        counts.clear()
+        assert cache.prefix_keys(prompt) == chain_hashes(prompt[:-1], page), i
+        assert sum(counts) <= most, (i, counts, most)
+    # A request's pages remembered at its end: the next turn reuses them, prompt and answer.
+    full = turns[-1] + ids(page * 30)
+    cache.remember(full, chain_hashes(full, page))
+    turn = full + ids(11)
+    counts.clear()
+    assert cache.prefix_keys(turn) == chain_hashes(turn[:-1], page)
+    assert sum(counts) == pages(turn) - len(full) // page
+    # The same prompts, shuffled, through a memo that holds two of them at most.
+    small, _ = _cache(page_size=page)
+    small.memo = HashMemo(page, max_tokens=len(turns[-1]) * 2, max_entries=2)
+    order = torch.randperm(len(prompts), generator=gen).tolist() * 2
+    for i in order:
+        prompt = prompts[i][0]
+        assert small.prefix_keys(prompt) == chain_hashes(prompt[:-1], page), i
+        assert small.memo.tokens <= len(turns[-1]) * 2 and len(small.memo.entries) <= 2
+
+
 def test_offline_continuation_hits_and_matches_uncached(tiny_checkpoint, device):
     gen = torch.Generator().manual_seed(5)
     cold = torch.randint(0, 248000, (1000,), generator=gen).tolist()
@@ -103,6 +161,24 @@ def test_offline_continuation_hits_and_matches_uncached(tiny_checkpoint, device)
         assert llm.scheduler.counters["cached_tokens"] == 960
     plain = LLM(tiny_checkpoint, device=device, disable_prefix_cache=True)
     assert plain.generate([cont], max_tokens=16, ignore_eos=True)[0] == hit
+
+
+def test_next_turn_hashes_only_its_own_pages(tiny_checkpoint, monkeypatch):
+    """A conversation's next turn (the first turn's prompt and answer, then new tokens) hits the cache and
+    hashes only the pages after what the first turn held; its ids equal the same prompt run without a cache."""
+    counts = _counting_hashes(monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    first = torch.randint(0, 248000, (2000,), generator=gen).tolist()
+    llm = LLM(tiny_checkpoint)
+    answer = llm.generate([first], max_tokens=40, ignore_eos=True)[0]
+    turn = first + answer + torch.randint(0, 248000, (100,), generator=gen).tolist()
+    counts.clear()
+    hit = llm.generate([turn], max_tokens=8, ignore_eos=True)[0]
+    page = llm.sizes.page_size
+    assert counts[0] <= (len(turn) - 1) // page - (len(first) + len(answer) - 1) // page
+    assert llm.scheduler.counters["cached_tokens"] >= 1984
+    plain = LLM(tiny_checkpoint, disable_prefix_cache=True)
+    assert plain.generate([turn], max_tokens=8, ignore_eos=True)[0] == hit
 
 
 def test_attention_only_model_hits_at_page_boundaries(tmp_path, device):
