@@ -377,14 +377,18 @@ def _truncated(body: dict, ids: list[int], limits: Limits) -> list[int]:
     return ids[-keep:] if len(ids) > keep else ids
 
 
-def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer, body: dict) -> list[int]:
+PROMPT_FORMS = "a string, an array of token ids, or an array of prompts (strings or token-id arrays)"
+
+
+def _one_prompt(prompt: Any, param: str, limits: Limits, tokenizer, body: dict,
+                forms: str = "a string or an array of token ids") -> list[int]:
     if isinstance(prompt, str):
         truncating = body.get("truncate_prompt_tokens") is not None
         ids = _encode(param, prompt, tokenizer, limits, check_length=not truncating)
     elif _is_ids(prompt):
         ids = list(prompt)
     else:
-        raise bad(param, f"'{param}' must be a string or an array of token ids, got {_show(prompt)}")
+        raise bad(param, f"'{param}' must be {forms}, got {_show(prompt)}")
     ids = _truncated(body, ids, limits)
     _check_prompt_ids(ids, limits, param)
     return ids
@@ -399,11 +403,8 @@ def parse_completion(body: Any, limits: Limits, tokenizer) -> ParsedRequest:
         if len(prompt) > MAX_PROMPTS:
             raise bad("prompt", f"'prompt' holds {len(prompt)} prompts; at most {MAX_PROMPTS} per request")
         prompts = [_one_prompt(p, f"prompt[{i}]", limits, tokenizer, body) for i, p in enumerate(prompt)]
-    elif isinstance(prompt, str) or _is_ids(prompt):
-        prompts = [_one_prompt(prompt, "prompt", limits, tokenizer, body)]
-    else:
-        raise bad("prompt", f"'prompt' must be a string, an array of token ids, or an array of prompts (strings "
-                            f"or token-id arrays), got {_show(prompt)}")
+    else:  # one prompt, its ids checked once
+        prompts = [_one_prompt(prompt, "prompt", limits, tokenizer, body, PROMPT_FORMS)]
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise bad("echo", f"'echo' must be a boolean, got {_show(echo)}")
