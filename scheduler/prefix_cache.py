@@ -17,7 +17,6 @@ equal, and hashes only its own pages.
 from __future__ import annotations
 
 import hashlib
-import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,7 +55,8 @@ def _starts_with(tokens: list[int], head: list[int]) -> bool:
 
 
 class HashMemo:
-    """The chain hashes of recently hashed token sequences, least recently used first.
+    """The chain hashes of recently hashed token sequences, least recently used first, each under its last
+    page's hash (which names the whole sequence: remembering it again only refreshes it).
 
     :meth:`lookup` gives the keys of the longest remembered sequence whose full pages the given tokens
     start with, compared element by element (in C, about 50x faster than hashing them): the keys are
@@ -64,18 +64,17 @@ class HashMemo:
 
     def __init__(self, page_size: int, max_tokens: int = MEMO_TOKENS, max_entries: int = MEMO_ENTRIES):
         self.page_size, self.max_tokens, self.max_entries = page_size, max_tokens, max_entries
-        self.entries: OrderedDict[int, tuple[list[int], list[bytes]]] = OrderedDict()
+        self.entries: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
         self.tokens = 0
-        self._ids = itertools.count()
 
     def lookup(self, tokens: list[int]) -> list[bytes]:
         """The keys of the longest remembered sequence that ``tokens`` start with ([] if none)."""
-        best_id, best = None, []
-        for eid, (toks, keys) in self.entries.items():
+        best: list[bytes] = []
+        for toks, keys in self.entries.values():
             if len(keys) > len(best) and _starts_with(tokens, toks):
-                best_id, best = eid, keys
-        if best_id is not None:
-            self.entries.move_to_end(best_id)
+                best = keys
+        if best:
+            self.entries.move_to_end(best[-1])
         return best
 
     def remember(self, tokens: list[int], keys: list[bytes]) -> None:
@@ -83,9 +82,12 @@ class HashMemo:
         n = len(keys) * self.page_size
         if len(keys) < MEMO_MIN_PAGES or n > self.max_tokens:
             return
+        if keys[-1] in self.entries:
+            self.entries.move_to_end(keys[-1])
+            return
         while self.entries and (self.tokens + n > self.max_tokens or len(self.entries) >= self.max_entries):
             self.tokens -= len(self.entries.popitem(last=False)[1][0])
-        self.entries[next(self._ids)] = (tokens[:n], list(keys))
+        self.entries[keys[-1]] = (tokens[:n], list(keys))
         self.tokens += n
 
 
@@ -167,15 +169,13 @@ class PrefixCache:
         known = self.memo.lookup(head)
         keys = known + chain_hashes(head[len(known) * self.page_size:], self.page_size,
                                     known[-1] if known else ROOT)
-        if len(keys) > len(known):
-            self.memo.remember(head, keys)
+        self.memo.remember(head, keys)
         return keys
 
     def remember(self, tokens: list[int], keys: list[bytes]) -> None:
         """A request's hashed pages (``keys``: the chain hashes of ``tokens``' full pages), for the next
         prompt that extends them."""
-        if len(keys) > len(self.memo.lookup(tokens)):
-            self.memo.remember(tokens, keys)
+        self.memo.remember(tokens, keys)
 
     def acquire(self, match: Match) -> None:
         """A request takes the matched pages (one reference each) and locks the checkpoint."""
