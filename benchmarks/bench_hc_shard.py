@@ -41,7 +41,7 @@ def arm_flags(mode: str, coalesce: bool, tp: int, longest: int) -> list[str]:
     flags = ["--tp", str(tp), "--hc-prefill-mode", mode, "--load-format", "random",
              "--max-model-len", str(longest + 1024), "--kv-pool-tokens", str(2 * longest + 16384),
              "--max-prefill-length", "8192", "--max-running-requests", "8"]
-    return flags + (["--prefill-coalesce"] if coalesce else [])
+    return flags + ["--prefill-coalesce" if coalesce else "--no-prefill-coalesce"]
 
 
 def start_arm(path: str, mode: str, coalesce: bool, ns) -> Server:

@@ -78,8 +78,7 @@ def run_arm(arm: str, path: str, ns, prompts: dict, slots: int) -> dict:
              "--kv-pool-tokens", "98304", "--enable-cache-report", *ARM_FLAGS[arm]]
     if ns.quantization:
         flags += ["--quantization", ns.quantization]
-    if ns.coalesce:
-        flags.append("--prefill-coalesce")
+    flags.append("--prefill-coalesce" if ns.coalesce else "--no-prefill-coalesce")
     if arm != "resident":
         flags += ["--moe-cache-slots", str(slots)]
     device_before = device_used(ns.device)
@@ -141,7 +140,7 @@ def main() -> None:
     ap.add_argument("--arms", default="chunked,layer_major,resident")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--coalesce", action=argparse.BooleanOptionalAction, default=True,
-                    help="--prefill-coalesce in every arm")
+                    help="--prefill-coalesce in every arm (--no-coalesce: --no-prefill-coalesce)")
     ap.add_argument("--pairs", type=int, default=3, choices=[1, 2, 3], help="(cold, continuation) pairs")
     ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
                     help="random weights in this quantized layout")

@@ -13,9 +13,10 @@ the server gets (its median first text over the second's: ``first_burst_over_sec
 of each ``--lengths`` length (4 output tokens); then ``/metrics``' ``tidal_compilations_after_ready_total`` and
 ``tidal_graph_captures_after_ready_total``, both 0 when the warm-up met every kernel variant and graph shape.
 Per start it records the seconds from launch to ``/health`` 200 and the warm-up's log lines (its time, and the
-kernels that took longest to compile). ``--coalesce``: one more start over the same cache with
-``--prefill-coalesce`` added, the same bursts and prompts, and per length its first text over the last start's
-(``coalesce_over_default``): a cold prompt without it runs its tail after the last checkpoint as a forward of its
+kernels that took longest to compile). ``--coalesce``: one more start over the same cache with the other
+``--prefill-coalesce`` setting than the starts ran (``--no-prefill-coalesce`` unless the flags after ``--`` hold
+it), the same bursts and prompts, and per length the coalesced start's first text over the aligned one's
+(``coalesce_over_aligned``): aligned, a cold prompt runs its tail after the last checkpoint as a forward of its
 own.
 Writes ``DIR/bench_startup.json`` after every start.
 """
@@ -116,6 +117,12 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     return out
 
 
+def coalesces(serve_flags: list[str]) -> bool:
+    """Whether ``tidal serve`` with these flags coalesces prompt tails (its default; the last flag wins)."""
+    given = [f for f in serve_flags if f in ("--prefill-coalesce", "--no-prefill-coalesce")]
+    return not given or given[-1] == "--prefill-coalesce"
+
+
 def main() -> None:
     argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
@@ -128,7 +135,8 @@ def main() -> None:
     ap.add_argument("--burst-tokens", type=int, default=16)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--coalesce", action="store_true",
-                    help="one more start with --prefill-coalesce, its first texts against the last start's")
+                    help="one more start with the other --prefill-coalesce setting, the coalesced start's first "
+                         "texts against the aligned one's")
     ns = ap.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -146,13 +154,16 @@ def main() -> None:
         result["starts"].append(one_start(path, ns, flags, prompts))
         save()
     if ns.coalesce and result["starts"]:
-        print("start with --prefill-coalesce (the same cache)", flush=True)
-        result["coalesce"] = one_start(path, ns, [*flags, "--prefill-coalesce"], prompts)
-        default = result["starts"][-1]["first_text_s"]
-        result["coalesce_over_default"] = {n: s / default[n] for n, s in result["coalesce"]["first_text_s"].items()}
-        for n, ratio in result["coalesce_over_default"].items():
-            print(f"  {n}-token prompt: first text {result['coalesce']['first_text_s'][n]:.3f} s with "
-                  f"--prefill-coalesce against {default[n]:.3f} s ({ratio:.2f}x)", flush=True)
+        coalesced = coalesces(extra)
+        other = "--no-prefill-coalesce" if coalesced else "--prefill-coalesce"
+        print(f"start with {other} (the same cache)", flush=True)
+        result["other_start"] = {"flag": other, **one_start(path, ns, [*flags, other], prompts)}
+        firsts = (result["starts"][-1]["first_text_s"], result["other_start"]["first_text_s"])
+        on, off = firsts if coalesced else firsts[::-1]
+        result["coalesce_over_aligned"] = {n: on[n] / off[n] for n in on}
+        for n, ratio in result["coalesce_over_aligned"].items():
+            print(f"  {n}-token prompt: first text {on[n]:.3f} s coalesced against {off[n]:.3f} s with "
+                  f"--no-prefill-coalesce ({ratio:.2f}x)", flush=True)
         save()
     print("\nstart   ready s   first burst / second   compiled after ready   captured after ready")
     for i, s in enumerate(result["starts"]):

@@ -28,7 +28,8 @@ def main() -> None:
     rng = random.Random(0)
     cold = [rng.randrange(1000, 240000) for _ in range(ns.tokens)]
     cont = cold + [rng.randrange(1000, 240000) for _ in range(ns.extra)]
-    arms = {"cache off": ["--disable-prefix-cache"], "align": [], "coalesce": ["--prefill-coalesce"]}
+    arms = {"cache off": ["--disable-prefix-cache"], "align": ["--no-prefill-coalesce"],
+            "coalesce": ["--prefill-coalesce"]}
     rows, ids = [], {}
     for name, arm_flags in arms.items():
         srv = Server(ns.model, *flags, *arm_flags)

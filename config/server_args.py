@@ -66,7 +66,7 @@ class ServerArgs:
     # Prefix caching of hybrid state.
     disable_prefix_cache: bool = False
     checkpoint_align: int = 64
-    prefill_coalesce: bool = False
+    prefill_coalesce: bool = True
     enable_cache_report: bool = False
     # Expert and PLE residence, layer-major long prefill.
     moe_strategy: str = "resident"  # "resident" | "offload"
@@ -302,9 +302,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="no prefix matching and no state checkpoints")
     p.add_argument("--checkpoint-align", type=int, default=d.checkpoint_align,
                    help="prompt positions where state checkpoints may be written (a multiple of --page-size)")
-    p.add_argument("--prefill-coalesce", action="store_true",
+    p.add_argument("--prefill-coalesce", action=argparse.BooleanOptionalAction, default=d.prefill_coalesce,
                    help="join a prompt's tail to the chunk before a checkpoint and export the checkpoint from inside "
-                        "the forward (one forward instead of two)")
+                        "the forward (one forward instead of two); --no-prefill-coalesce ends a forward at each "
+                        "checkpoint and runs the tail as its own")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="log one line per request with its prompt, cached and computed token counts")
     p.add_argument("--moe-strategy", default=d.moe_strategy, choices=["resident", "offload"],

@@ -333,7 +333,7 @@ def test_bench_serving_runs_on_cpu(tmp_path):
 
 
 def test_bench_startup_runs_on_cpu(tmp_path):
-    """The start-up benchmark end to end on the tiny preset: a start, then one with --prefill-coalesce over the
+    """The start-up benchmark end to end on the tiny preset: a start, then one with --no-prefill-coalesce over the
     compile cache the first left, each start's first burst against its second, the counters read from /metrics,
     /health probed during the bursts, first texts of the two starts side by side."""
     out = tmp_path / "st"
@@ -343,16 +343,17 @@ def test_bench_startup_runs_on_cpu(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "bench_startup.json").read_text())
-    assert len(data["starts"]) == 1 and "--prefill-coalesce" not in data["flags"]
-    for start in (*data["starts"], data["coalesce"]):
+    assert len(data["starts"]) == 1 and "--no-prefill-coalesce" not in data["flags"]
+    assert data["other_start"]["flag"] == "--no-prefill-coalesce"
+    for start in (*data["starts"], data["other_start"]):
         assert start["left_after_stop"] == [] and start["start_to_ready_s"] > 0
         assert start["first_burst_over_second"] > 0 and set(start["first_text_s"]) == {"16", "100"}
         assert start["health_during_bursts_s"]["probes"] > 0
         assert start["after_ready"] == {"tidal_compilations_after_ready_total": 0.0,
                                         "tidal_graph_captures_after_ready_total": 0.0}
-    for n, ratio in data["coalesce_over_default"].items():
-        assert math.isclose(ratio, data["coalesce"]["first_text_s"][n] / data["starts"][0]["first_text_s"][n])
-    assert "with --prefill-coalesce" in proc.stdout
+    for n, ratio in data["coalesce_over_aligned"].items():
+        assert math.isclose(ratio, data["starts"][0]["first_text_s"][n] / data["other_start"]["first_text_s"][n])
+    assert "coalesced against" in proc.stdout and "with --no-prefill-coalesce" in proc.stdout
 
 
 def test_bench_vision_runs_on_cpu(tmp_path):

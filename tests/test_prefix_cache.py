@@ -57,8 +57,8 @@ def default(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def coalesce(tiny_checkpoint):
-    s = Served(tiny_checkpoint, "--max-prefill-length", "2048", "--prefill-coalesce")
+def aligned(tiny_checkpoint):
+    s = Served(tiny_checkpoint, "--max-prefill-length", "2048", "--no-prefill-coalesce")
     yield s
     assert s.close() == []
 
@@ -76,10 +76,10 @@ def offline(tiny_checkpoint) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def runs(default, coalesce, uncached):
+def runs(default, aligned, uncached):
     """Cold 1000-token prompt, then its 1077-token continuation, on each server."""
     out = {}
-    for name, served in (("default", default), ("coalesce", coalesce), ("uncached", uncached)):
+    for name, served in (("default", default), ("aligned", aligned), ("uncached", uncached)):
         before = served.counter("prefill_forwards")
         cold = served.complete(COLD)
         cont = served.complete(CONTINUATION, max_tokens=32)
@@ -102,7 +102,8 @@ def test_continuation_reuses_960_tokens_with_the_same_ids(runs, offline):
 
 
 def test_coalescing_same_ids_same_cache_fewer_forwards(runs):
-    d, c = runs["default"], runs["coalesce"]
+    """The default coalesces prompt tails; --no-prefill-coalesce runs them as forwards of their own."""
+    c, d = runs["default"], runs["aligned"]
     assert c["cont"][1]["cached_tokens"] == d["cont"][1]["cached_tokens"] == 960
     assert c["cold"][2] == d["cold"][2] and c["cont"][2] == d["cont"][2]
     # Align mode cuts a forward at the checkpoint; coalescing exports it from inside one forward.
