@@ -226,7 +226,7 @@ def test_metrics_count_hits_reuse_checkpoints_and_forwards(default):
     assert delta("tidal_cached_prompt_tokens_total") == 960
     # Prompt checkpoints at 960 and 1024, and the continuation's end-of-request checkpoint at 1088.
     assert delta("tidal_scheduler_checkpoints_written_total") == 3
-    # cold: 2 prompt forwards + 23 decodes; continuation: 2 + 31.
-    assert delta("tidal_scheduler_prefill_forwards_total") == 4
-    assert delta("tidal_scheduler_request_forwards_total") == 25 + 33
+    # cold: 1 prompt forward (its checkpoints exported inside) + 23 decodes; continuation: 1 + 31.
+    assert delta("tidal_scheduler_prefill_forwards_total") == 2
+    assert delta("tidal_scheduler_request_forwards_total") == 24 + 32
     assert delta('tidal_requests_total{finish_reason="length"}') == 2

@@ -97,8 +97,8 @@ def test_tap_ids_equal_offline_generate(server, offline, tiny_checkpoint):
                     break
         assert admitted is not None and admitted["prompt_tokens"] == len(prompt)
         assert admitted["cached_tokens"] == 0 and admitted["plan"]["mode"] == "chunked"
-        # Prefix caching (default, align mode): a forward ends at the checkpoint, the tail runs alone.
-        assert admitted["plan"]["chunks"] == [[0, 128], [128, len(prompt)]]
+        # Prefix caching (default, coalesced): one forward, the checkpoint exported from inside it.
+        assert admitted["plan"]["chunks"] == [[0, len(prompt)]]
         assert admitted["plan"]["checkpoints"] == [128]
         assert line["finish_reason"] == "length" and line["usage"]["completion_tokens"] == 20
         assert ids == offline.generate([prompt], max_tokens=20, ignore_eos=True)[0]
