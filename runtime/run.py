@@ -142,11 +142,12 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def _from_env(action: argparse.Action, var: str, raw: str):
     flag = action.option_strings[0]
-    if action.nargs == 0:  # a switch
+    if action.nargs == 0:  # a switch: store_true / store_false, or --flag / --no-flag (its const is None)
+        on = True if isinstance(action, argparse.BooleanOptionalAction) else action.const
         if raw.lower() in _TRUE:
-            return action.const
+            return on
         if raw.lower() in _FALSE:
-            return not action.const
+            return not on
         raise ArgsError(f"{var}={raw!r} (for {flag}): must be one of {'/'.join(_TRUE + _FALSE)}")
     try:
         value = action.type(raw) if action.type else raw

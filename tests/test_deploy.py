@@ -191,6 +191,11 @@ def test_flags_win_over_environment_and_errors_name_both():
     assert plan.args.scheduler_addr == "tcp://c:4" and plan.args.control_addr == "tcp://a:2"
     assert plan.args.prefill_layer_major is True and plan.args.max_prefill_length is None
     assert plan.args.max_running_requests == 32  # neither: the default
+    for raw, want in (("1", True), ("no", False)):  # a --flag / --no-flag pair from the environment
+        got = deploy.resolve(parse(["run", "executor"]), {**env, "TIDAL_PREFILL_COALESCE": raw}).args
+        assert got.prefill_coalesce is want
+    assert deploy.resolve(parse(["run", "executor", "--no-prefill-coalesce"]),
+                          {**env, "TIDAL_PREFILL_COALESCE": "1"}).args.prefill_coalesce is False
     with pytest.raises(ArgsError, match=r"^--detokenizer-addr \(or TIDAL_DETOKENIZER_ADDR\) is required"):
         deploy.resolve(parse(["run", "scheduler"]), {**env, "TIDAL_FRONTEND_ADDR": "tcp://f:5"})
     with pytest.raises(ArgsError, match=r"^TIDAL_TP='two' \(for --tp\)"):
