@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -64,6 +65,15 @@ def split_serve_flags(argv: list[str]) -> tuple[list[str], list[str]]:
         return argv, []
     at = argv.index("--")
     return argv[:at], argv[at + 1:]
+
+
+def serve_args(model: str, flags: list[str]):
+    """The :class:`~tidal.config.server_args.ServerArgs` that ``tidal serve`` takes from these flags."""
+    from ..config.server_args import add_server_flags, args_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_server_flags(parser)
+    return args_from_namespace(parser.parse_args(["--model", model, *flags]))
 
 
 def health_status(url: str, timeout: float = 2.0) -> int | None:

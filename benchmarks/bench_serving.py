@@ -46,7 +46,7 @@ import torch
 
 from tidal import LLM
 from tidal.bench.client import stream_events
-from tidal.bench.server import Server, split_serve_flags
+from tidal.bench.server import Server, serve_args, split_serve_flags
 from tidal.bench.stats import gaps, percentile
 from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
@@ -211,11 +211,7 @@ def main() -> None:
     # The forward-level runs take the server's flags that shape the forward.
     import dataclasses
 
-    from tidal.config.server_args import add_server_flags, args_from_namespace
-
-    parser = argparse.ArgumentParser()
-    add_server_flags(parser)
-    args = args_from_namespace(parser.parse_args(["--model", path, *flags]))
+    args = serve_args(path, flags)
     skip = {"model", "device", "dtype", "load_format", "host", "port", "served_model_name", "max_prefill_length"}
     llm_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
                 if f.name not in skip and getattr(args, f.name) != f.default}

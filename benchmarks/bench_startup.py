@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.request
 
-from tidal.bench.server import Server, split_serve_flags
+from tidal.bench.server import Server, serve_args, split_serve_flags
 from tidal.executor.presets import write_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -117,12 +117,6 @@ def one_start(path: str, ns, flags: list[str], prompts: Prompts) -> dict:
     return out
 
 
-def coalesces(serve_flags: list[str]) -> bool:
-    """Whether ``tidal serve`` with these flags coalesces prompt tails (its default; the last flag wins)."""
-    given = [f for f in serve_flags if f in ("--prefill-coalesce", "--no-prefill-coalesce")]
-    return not given or given[-1] == "--prefill-coalesce"
-
-
 def main() -> None:
     argv, extra = split_serve_flags(sys.argv[1:])
     ap = argparse.ArgumentParser()
@@ -154,7 +148,7 @@ def main() -> None:
         result["starts"].append(one_start(path, ns, flags, prompts))
         save()
     if ns.coalesce and result["starts"]:
-        coalesced = coalesces(extra)
+        coalesced = serve_args(path, flags).prefill_coalesce
         other = "--no-prefill-coalesce" if coalesced else "--prefill-coalesce"
         print(f"start with {other} (the same cache)", flush=True)
         result["other_start"] = {"flag": other, **one_start(path, ns, [*flags, other], prompts)}
