@@ -369,3 +369,17 @@ def test_bench_vision_runs_on_cpu(tmp_path):
     assert data["left_after_stop"] == [] and 250 <= data["cold"]["prompt_tokens"] <= 320
     assert data["warm"]["cached_tokens"] >= data["cold"]["prompt_tokens"] - 64
     assert 0 < data["encoder_share_of_cold"] < 1 and data["forward_prefill_s"] > 0
+
+
+def test_profile_layer_major_streams_nvfp4_bytes(tmp_path):
+    """With ``--quantization nvfp4`` the host banks hold the packed layout: layer-major moves every routed expert
+    once in NVFP4's bytes (two codes a byte, an e4m3 scale per 16 values, an fp32 global scale per row)."""
+    run_script("profile_layer_major.py", "--out", str(tmp_path), "--preset", "tiny", "--tokens", "700",
+               "--chunk", "128", "--device", "cpu", "--dtype", "float32", "--quantization", "nvfp4",
+               "--arms", "layer_major")
+    data = json.loads((tmp_path / "profile_layer_major.json").read_text())
+    raw = preset_config("tiny")
+    hidden, inter = raw["hidden_size"], raw["moe_intermediate_size"]
+    weights = 3 * hidden * inter
+    expert = weights // 2 + weights // 16 + 4 * (2 * inter + hidden)
+    assert data["arms"]["layer_major"]["bytes"] == raw["num_hidden_layers"] * raw["num_experts"] * expert

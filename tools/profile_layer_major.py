@@ -2,10 +2,13 @@
 
     python tools/profile_layer_major.py --out DIR [--preset bench] [--tokens 32000] [--chunk 4096]
                                           [--cache-fraction 0.11] [--arms layer_major,chunked] [--host N]
+                                          [--quantization nvfp4] [--ple-backend pinned]
 
-One ``LLM`` with ``--moe-strategy offload``, pinned PLE and an expert cache of ``--cache-fraction`` of
-all routed experts; each arm (``--prefill-layer-major`` on or off) generates one token for a cold
-random prompt of ``--tokens`` tokens after a warm-up prompt of the same length. Per arm: the wall time
+One ``LLM`` with ``--moe-strategy offload``, the n-gram table on ``--ple-backend`` (pinned by default), an
+expert cache of ``--cache-fraction`` of all routed experts and, with ``--quantization``, random experts in
+that layout (host banks, cache and layer buffers hold its bytes); each arm (``--prefill-layer-major`` on or
+off) generates one token for a cold random prompt of ``--tokens`` tokens after a warm-up prompt of the same
+length. Per arm: the wall time
 of ``generate`` (scheduling, the prefill, sampling), the expert bytes it moved and the PCIe floor
 (those bytes over the pinned host-to-device bandwidth measured here), then, under the torch
 profiler, how the wall time divides: host time before the first device event, host-to-device copy
@@ -151,6 +154,9 @@ def main() -> None:
     ap.add_argument("--host", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
+                    help="random routed experts and n-gram table in this layout (host banks and cache hold it)")
+    ap.add_argument("--ple-backend", default="pinned", choices=["gpu", "pinned", "disk"])
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
@@ -161,8 +167,9 @@ def main() -> None:
     print(f"pinned host-to-device: {bandwidth / 1e9:.1f} GB/s; expert cache {slots} slots of "
           f"{experts} experts", flush=True)
     llm = LLM(path, device=ns.device, dtype=ns.dtype, load_format="random", max_prefill_length=ns.chunk,
-              max_model_len=ns.tokens + 64, moe_strategy="offload", moe_cache_slots=slots, ple_backend="pinned",
-              prefill_layer_major=True, max_running_requests=1)
+              max_model_len=ns.tokens + 64, moe_strategy="offload", moe_cache_slots=slots,
+              ple_backend=ns.ple_backend, quantization=ns.quantization, prefill_layer_major=True,
+              max_running_requests=1)
     store = llm.runner.expert_store
     cuda = ns.device.startswith("cuda")
     fill, send = store._fill, RowsAhead.send
