@@ -3,7 +3,7 @@
     python benchmarks/bench_layer_major.py --out DIR [--preset bench] [--cold 32012] [--continuation 32077]
                                         [--chunk 4096] [--cache-fraction 0.11] [--arms chunked,layer_major,resident]
                                         [--no-coalesce] [--prompts text|ids] [--pairs 3]
-                                        [--quantization nvfp4|fp8] [--ple-backend pinned|gpu|disk]
+                                        [--quantization nvfp4|fp8] [--ple-backend pinned|gpu|disk] [--layers N]
 
 The seed's protocol against a fresh ``tidal serve`` per arm (``--load-format random``, pinned PLE,
 ``--max-prefill-length`` 4096, an expert cache of ~11% of all experts for the offload arms,
@@ -41,7 +41,7 @@ from tidal.bench.client import greedy_stream
 from tidal.bench.server import Server, rss_bytes
 from tidal.bench.tap import TapReader
 from tidal.bench.timing import h2d_bandwidth
-from tidal.executor.presets import write_checkpoint
+from tidal.executor.presets import keep_first_layers, write_checkpoint
 from tidal.tokenizer import load_tokenizer
 
 SHORT = "Arithmetic exercises: add two small integers and explain the answer.\n"
@@ -149,9 +149,12 @@ def main() -> None:
                     help="text: the seed's repeated paragraphs; ids: random token ids (with random weights they "
                          "spread a chunk's routing over the experts as trained routers do; text repeated this way "
                          "concentrates it)")
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first N decoder layers")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    if ns.layers:
+        keep_first_layers(path, ns.layers)
     tok = load_tokenizer(path)
     from tidal.config.model import ModelConfig
 
@@ -192,8 +195,9 @@ def main() -> None:
         summary[arm["arm"]] = med
     reference = [r["token_ids"] for r in arms[0]["requests"]]
     same_ids = {a["arm"]: [r["token_ids"] for r in a["requests"]] == reference for a in arms}
-    result = {"preset": ns.preset, "quantization": ns.quantization, "ple_backend": ns.ple_backend,
-              "prompts": ns.prompts, "coalesce": ns.coalesce, "h2d_bytes_per_s": bandwidth,
+    result = {"preset": ns.preset, "layers": config.num_hidden_layers, "quantization": ns.quantization,
+              "ple_backend": ns.ple_backend, "prompts": ns.prompts, "coalesce": ns.coalesce,
+              "h2d_bytes_per_s": bandwidth,
               "cache_slots": slots, "summary": summary, "ids_equal_to_first_arm": same_ids, "arms": arms}
     if "chunked" in summary and "layer_major" in summary:
         lm, ch = summary["layer_major"], summary["chunked"]

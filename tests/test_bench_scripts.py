@@ -373,7 +373,7 @@ def test_bench_vision_runs_on_cpu(tmp_path):
 
 def test_profile_layer_major_streams_nvfp4_bytes(tmp_path):
     """With ``--quantization nvfp4`` the host banks hold the packed layout: layer-major moves every routed expert
-    once in NVFP4's bytes (two codes a byte, an e4m3 scale per 16 values, an fp32 global scale per row)."""
+    once, in NVFP4's bytes (two codes a byte, an e4m3 scale per 16 values, an fp32 global scale per row)."""
     run_script("profile_layer_major.py", "--out", str(tmp_path), "--preset", "tiny", "--tokens", "700",
                "--chunk", "128", "--device", "cpu", "--dtype", "float32", "--quantization", "nvfp4",
                "--arms", "layer_major")
@@ -382,4 +382,5 @@ def test_profile_layer_major_streams_nvfp4_bytes(tmp_path):
     hidden, inter = raw["hidden_size"], raw["moe_intermediate_size"]
     weights = 3 * hidden * inter
     expert = weights // 2 + weights // 16 + 4 * (2 * inter + hidden)
+    assert (data["layers"], data["quantization"]) == (raw["num_hidden_layers"], "nvfp4")
     assert data["arms"]["layer_major"]["bytes"] == raw["num_hidden_layers"] * raw["num_experts"] * expert

@@ -1,7 +1,7 @@
 """Profile one cold prefill (and a few decode steps) of a preset on the GPU with the torch profiler.
 
     python tools/profile_forward.py --out DIR [--preset bench] [--tokens 32768] [--decode-batch 8]
-        [--quantization nvfp4] [--ple-backend gpu]
+        [--quantization nvfp4] [--ple-backend gpu] [--layers N]
 
 Prints the kernels by total CUDA time (the table docs/performance.md quotes) and the GPU's busy time
 against the span of its kernels, with the longest idle gaps, for each phase; for the prefill also the
@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tidal import LLM
-from tidal.executor.presets import write_checkpoint
+from tidal.executor.presets import keep_first_layers, write_checkpoint
 from tidal.messages import Batch, SegmentSpec
 
 
@@ -63,9 +63,12 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
                     help="random routed experts and n-gram table in this layout")
     ap.add_argument("--ple-backend", default="gpu", choices=["gpu", "pinned", "disk"])
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first N decoder layers")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    if ns.layers:
+        keep_first_layers(path, ns.layers)
     t0 = time.monotonic()
     llm = LLM(path, device="cuda", dtype="bfloat16", load_format="random", max_prefill_length=ns.tokens,
               max_model_len=ns.tokens + 1024, kv_pool_tokens=(ns.tokens + 1024) * (ns.decode_batch + 1),

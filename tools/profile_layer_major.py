@@ -2,7 +2,7 @@
 
     python tools/profile_layer_major.py --out DIR [--preset bench] [--tokens 32000] [--chunk 4096]
                                           [--cache-fraction 0.11] [--arms layer_major,chunked] [--host N]
-                                          [--quantization nvfp4] [--ple-backend pinned]
+                                          [--quantization nvfp4] [--ple-backend pinned] [--layers N]
 
 One ``LLM`` with ``--moe-strategy offload``, the n-gram table on ``--ple-backend`` (pinned by default), an
 expert cache of ``--cache-fraction`` of all routed experts and, with ``--quantization``, random experts in
@@ -38,7 +38,7 @@ from tidal import LLM  # noqa: E402
 from tidal.bench.timing import h2d_bandwidth  # noqa: E402
 from tidal.config.model import ModelConfig  # noqa: E402
 from tidal.executor.offload.ple_table import RowsAhead  # noqa: E402
-from tidal.executor.presets import write_checkpoint  # noqa: E402
+from tidal.executor.presets import keep_first_layers, write_checkpoint  # noqa: E402
 
 
 def traced(name: str) -> bool:
@@ -157,9 +157,12 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["nvfp4", "fp8"],
                     help="random routed experts and n-gram table in this layout (host banks and cache hold it)")
     ap.add_argument("--ple-backend", default="pinned", choices=["gpu", "pinned", "disk"])
+    ap.add_argument("--layers", type=int, default=None, help="the preset's first N decoder layers")
     ns = ap.parse_args()
     os.makedirs(ns.out, exist_ok=True)
     path = write_checkpoint(ns.preset, tempfile.mkdtemp(), weights=False)
+    if ns.layers:
+        keep_first_layers(path, ns.layers)
     config = ModelConfig.from_file(path)
     experts = config.num_experts * config.num_hidden_layers
     slots = max(config.num_experts_per_tok, int(experts * ns.cache_fraction))
@@ -195,7 +198,8 @@ def main() -> None:
     def moved() -> int:
         return sum(store.stats()["expert_bytes"])
 
-    results = {"bandwidth_GBps": bandwidth / 1e9, "slots": slots, "tokens": ns.tokens, "arms": {}}
+    results = {"bandwidth_GBps": bandwidth / 1e9, "slots": slots, "tokens": ns.tokens,
+               "layers": config.num_hidden_layers, "quantization": ns.quantization, "arms": {}}
     for arm in ns.arms.split(","):
         llm.scheduler.args = dataclasses.replace(llm.scheduler.args, prefill_layer_major=arm == "layer_major")
         llm.generate([prompt()], max_tokens=1)  # warm-up: the long shapes compile and autotune
