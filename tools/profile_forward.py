@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--decode-batch", type=int, default=8)
+    ap.add_argument("--decode-batch", type=int, default=8, help="0: no decode steps")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--host", type=int, default=0)
@@ -78,12 +78,13 @@ def main() -> None:
     print(f"load: {time.monotonic() - t0:.1f} s", flush=True)
     page = llm.sizes.page_size
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 240000, (ns.tokens,), generator=gen).tolist()
+    # The prompt, and the decode's 64-token prompts and steps (which may need more ids than a short prompt).
+    ids = torch.randint(1000, 240000, (max(ns.tokens, 64 * ns.decode_batch + 80),), generator=gen).tolist()
     pages = list(range(math.ceil(ns.tokens / page)))
 
     def prefill(batch_id: int) -> None:
         llm.runner.execute(Batch(batch_id=batch_id, segments=[
-            SegmentSpec(rid="p", slot=0, start=0, token_ids=ids, pages=pages, sample=True)]))
+            SegmentSpec(rid="p", slot=0, start=0, token_ids=ids[:ns.tokens], pages=pages, sample=True)]))
 
     prefill(0)  # warm-up: autotuning and first-shape compilation
     torch.cuda.synchronize()
@@ -113,6 +114,8 @@ def main() -> None:
 
     # Decode: B requests with 64-token prompts, then single-token steps.
     b = ns.decode_batch
+    if b < 1:
+        return
     per = math.ceil((64 + 64) / page)
     segs = [SegmentSpec(rid=f"d{i}", slot=i, start=0, token_ids=ids[i * 64:(i + 1) * 64],
                         pages=list(range(i * per, (i + 1) * per)), sample=True) for i in range(b)]
