@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tidal.executor.presets import preset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,6 +156,9 @@ def test_bench_layer_major_with_quantized_random_weights_on_cpu(tmp_path):
     data = json.loads((out / "bench_layer_major.json").read_text())
     assert data["quantization"] == "nvfp4" and set(data["summary"]) == {"layer_major", "resident"}
     assert all(data["ids_equal_to_first_arm"].values())
+    lm, resident = data["summary"]["layer_major"], data["summary"]["resident"]
+    assert data["layer_major_over_bound"] == pytest.approx(
+        lm["first_text_s"] / max(lm["pcie_floor_s"], resident["first_text_s"]))
     cold = [r for r in data["arms"][0]["requests"] if r["name"] == "cold-0"][0]
     assert cold["plan"]["mode"] == "layer_major" and cold["checks_ok"]
     for arm in data["summary"].values():
