@@ -78,6 +78,7 @@ class ServerArgs:
     layer_major_max_tokens: int = 32768
     layer_major_slice: int = 4  # (layer, internal chunk) pairs per scheduling turn; 0: the whole prefill in one
     disable_cuda_graph: bool = False
+    disable_prefill_graph: bool = False
     disable_overlap_schedule: bool = False
     # Warm-up before ready (compile kernels, capture decode graphs) and where compiled kernels persist.
     skip_warmup: bool = False
@@ -334,8 +335,11 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="keep one batch in flight: schedule the next batch only after the executor answers the "
                         "last (default: the next batch is scheduled and sent while the executor runs one)")
     p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="run every decode step eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
-                        "with resident experts, --ple-backend gpu and --tp 1)")
+                   help="run every forward eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
+                        "with resident experts, --ple-backend gpu or pinned and --tp 1)")
+    p.add_argument("--disable-prefill-graph", action="store_true",
+                   help="run prompt forwards eagerly, decode steps still from CUDA graphs (by default a prompt "
+                        "chunk of up to 2,112 tokens alone in its batch replays a graph of its padded size)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="report ready without the warm-up forwards that compile every kernel variant and capture "
                         "every decode graph first (they then happen on the first requests that meet them)")

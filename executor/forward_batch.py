@@ -160,6 +160,9 @@ class ForwardBatch:
     # PLE layer index -> the rows of this batch's tokens in that layer's table, ``[T, dim]`` on the device,
     # gathered ahead of the forward (layer-major prefill with a pinned table: ``RowsAhead``).
     ple_rows: dict[int, Callable[[], torch.Tensor]] = field(default_factory=dict)
+    # Recorded in a CUDA graph: nothing reads a device value back to the host (a pinned PLE table's rows are
+    # read by the device itself).
+    graph: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -176,22 +179,27 @@ def _cu(lengths: np.ndarray) -> np.ndarray:
     return cu
 
 
-def _page_table(segs: list[Segment]) -> np.ndarray:
-    table = np.zeros((len(segs), max([len(s.pages) for s in segs] + [1])), dtype=np.int32)
+def _page_table(segs: list[Segment], columns: int = 0) -> np.ndarray:
+    table = np.zeros((len(segs), max([len(s.pages) for s in segs] + [1, columns])), dtype=np.int32)
     for i, s in enumerate(segs):
         table[i, :len(s.pages)] = s.pages
     return table
 
 
-def _group(up: Upload, segs: list[Segment], seg0: int, row0: int, with_pages: bool) -> dict:
+def _group(up: Upload, segs: list[Segment], seg0: int, row0: int, with_pages: bool,
+           fixed: FixedShape | None = None) -> dict:
     """A :class:`RowGroup`'s fields, its arrays as references into ``up`` (see :func:`_resolved`)."""
     lengths = np.array([s.length for s in segs], dtype=np.int64)
     cu = _cu(lengths)
+    longest = int(lengths.max(initial=0))
+    if fixed is not None and longest > 1:
+        longest = max(longest, fixed.max_seqlen)
     return dict(row0=row0, seg0=seg0, num_rows=int(cu[-1]), num_segments=len(segs),
-                max_seqlen=int(lengths.max(initial=0)), cu_seqlens=up.add(cu, np.int32), lengths=up.add(lengths),
+                max_seqlen=longest, cu_seqlens=up.add(cu, np.int32), lengths=up.add(lengths),
                 slots=up.add([s.slot for s in segs]), fresh=up.add([s.fresh for s in segs], np.bool_),
                 kv_lens=up.add([s.end for s in segs], np.int32),
-                page_table=up.add(_page_table(segs), np.int32) if with_pages else None)
+                page_table=up.add(_page_table(segs, fixed.page_columns if fixed else 0), np.int32)
+                if with_pages else None)
 
 
 def _resolved(fields: dict, views: list[torch.Tensor]) -> dict:
@@ -232,14 +240,24 @@ def _waves(up: Upload, prefill: list[Segment]) -> list[dict]:
     return waves
 
 
-def _qsa_host(up: Upload, segments: list[Segment], ratio: int) -> tuple[Ref, int]:
+def _qsa_host(up: Upload, segments: list[Segment], ratio: int, fixed: FixedShape | None = None) -> tuple[Ref, int]:
     """The segment and block of every block this forward completes (``[Mb, 2]`` in ``up``), and the
-    most blocks of any segment."""
+    most blocks of any segment (``fixed``: its counts, the list padded with repeats of the last segment's
+    first block, which the last segment rewrites alike)."""
     first = np.array([s.start // ratio for s in segments], dtype=np.int64)
     counts = np.array([s.end // ratio for s in segments], dtype=np.int64) - first
     seg = np.repeat(np.arange(len(segments)), counts)
     block = np.arange(int(counts.sum())) - np.repeat(_cu(counts)[:-1], counts) + np.repeat(first, counts)
-    return up.add(np.stack([seg, block], axis=1).reshape(-1, 2)), max(s.end // ratio for s in segments)
+    most = max(s.end // ratio for s in segments)
+    if fixed is not None:
+        if len(seg) > fixed.qsa_new or most > fixed.qsa_blocks:
+            raise ValueError(f"{len(seg)} new QSA blocks and {most} per segment exceed the fixed shape's "
+                             f"{fixed.qsa_new} and {fixed.qsa_blocks}")
+        pad = fixed.qsa_new - len(seg)
+        seg = np.concatenate([seg, np.full(pad, len(segments) - 1)])
+        block = np.concatenate([block, np.full(pad, first[-1])])
+        most = fixed.qsa_blocks
+    return up.add(np.stack([seg, block], axis=1).reshape(-1, 2)), most
 
 
 def _qsa_blocks(new: torch.Tensor, max_blocks: int, page_table: torch.Tensor, page_size: int,
@@ -253,39 +271,71 @@ def _qsa_blocks(new: torch.Tensor, max_blocks: int, page_table: torch.Tensor, pa
     return QSABlocks(ratio=ratio, new_rows=new_rows, new_pos=pos[:, 0], key_rows=key_rows, max_blocks=max_blocks)
 
 
-def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPool | None, states: StatePool,
-                        ngram_eos: int, device: torch.device, qsa_ratio: int = 0,
-                        ngram_context: torch.Tensor | None = None, decode_only: bool = False,
-                        ple_rows: dict[int, Callable[[], torch.Tensor]] | None = None) -> ForwardBatch:
-    """Device metadata for ``segments`` (decodes first, then prefills; rows in that order).
+@dataclass(frozen=True)
+class FixedShape:
+    """Host values a forward captured in a CUDA graph holds fixed (see ``prefill_graph``), so that every
+    batch of its layout launches the same kernels: multi-row groups launch for ``max_seqlen`` rows a segment,
+    page tables have ``page_columns`` columns, QSA layers score ``qsa_blocks`` blocks a segment and pool
+    ``qsa_new`` completed blocks."""
 
-    ``ngram_context`` overrides the segments' n-gram contexts (read from their slots otherwise): an
-    internal chunk of a layer-major prefill takes it from the ids before it, and ``ple_rows`` its PLE
-    table rows gathered ahead. ``decode_only``: every row decodes a generated token.
-    """
-    device = torch.device(device)
+    max_seqlen: int
+    page_columns: int
+    qsa_blocks: int = 0
+    qsa_new: int = 0
+
+
+@dataclass
+class ForwardPlan:
+    """The host half of :func:`build_forward_batch`: every array in one :class:`Upload`, the rest as host
+    values. :func:`assemble_forward_batch` derives the device half from the upload's views."""
+
+    up: Upload
+    segments: list[Segment]
+    groups: list[dict]
+    ids: Ref
+    starts: Ref
+    exports: Ref
+    waves: list[dict]
+    qsa: tuple[Ref, int] | None
+    images: tuple | None
+    qsa_ratio: int
+
+
+def plan_forward_batch(segments: list[Segment], input_ids: list[int], with_pages: bool, qsa_ratio: int = 0,
+                       fixed: FixedShape | None = None) -> ForwardPlan:
+    """The arrays of :func:`build_forward_batch`, not yet on the device (``fixed``: see :class:`FixedShape`)."""
     num_decodes = sum(1 for s in segments if s.length == 1)
     assert all(s.length == 1 for s in segments[:num_decodes]), "decode segments must come first"
-    page_size = kv.page_size if kv is not None else 1
-    with_pages = kv is not None
     up = Upload()
-    groups = [_group(up, segments, 0, 0, with_pages), _group(up, segments[:num_decodes], 0, 0, with_pages),
-              _group(up, segments[num_decodes:], num_decodes, num_decodes, with_pages)]
+    groups = [_group(up, segments, 0, 0, with_pages, fixed),
+              _group(up, segments[:num_decodes], 0, 0, with_pages, fixed),
+              _group(up, segments[num_decodes:], num_decodes, num_decodes, with_pages, fixed)]
     ids_i = up.add(np.fromiter(input_ids, dtype=np.int64, count=len(input_ids)))
     starts_i = up.add([s.start for s in segments])
     exports = [(i, off, dst) for i, seg in enumerate(segments) for off, dst in seg.exports if off < seg.length]
     ex_i = up.add(np.array(exports, dtype=np.int64).reshape(-1, 3))
     waves = _waves(up, segments[num_decodes:])
-    qsa_i = _qsa_host(up, segments, qsa_ratio) if kv is not None and qsa_ratio else None
+    qsa_i = _qsa_host(up, segments, qsa_ratio, fixed) if with_pages and qsa_ratio else None
     mm = _images_host(up, segments, qsa_ratio if qsa_i is not None else 0)
-    views = up.send(device)
+    return ForwardPlan(up=up, segments=segments, groups=groups, ids=ids_i, starts=starts_i, exports=ex_i, waves=waves,
+                       qsa=qsa_i, images=mm, qsa_ratio=qsa_ratio)
 
-    all_group, decode, prefill = (RowGroup(**_resolved(g, views)) for g in groups)
+
+def assemble_forward_batch(plan: ForwardPlan, views: list[torch.Tensor], kv: KVPool | None, states: StatePool,
+                           ngram_eos: int, ngram_context: torch.Tensor | None = None, decode_only: bool = False,
+                           ple_rows: dict[int, Callable[[], torch.Tensor]] | None = None,
+                           graph: bool = False) -> ForwardBatch:
+    """The :class:`ForwardBatch` of ``plan`` from its upload's device views: device work only, no host
+    value read back (a CUDA graph may record it; ``graph``: one does)."""
+    segments = plan.segments
+    device = views[plan.ids].device
+    page_size = kv.page_size if kv is not None else 1
+    all_group, decode, prefill = (RowGroup(**_resolved(g, views)) for g in plan.groups)
     total = all_group.num_rows
     row_segment = torch.repeat_interleave(torch.arange(len(segments), device=device), all_group.lengths,
                                           output_size=total)
     offsets = all_group.cu_seqlens[:-1].long()
-    positions = views[starts_i][row_segment] + torch.arange(total, device=device) - offsets[row_segment]
+    positions = views[plan.starts][row_segment] + torch.arange(total, device=device) - offsets[row_segment]
     kv_write_rows = None
     if kv is not None:
         pages = all_group.page_table[row_segment, positions // page_size].long()
@@ -298,26 +348,64 @@ def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPoo
     elif ngram_context is None:
         ngram_context = torch.empty(len(segments), 0, dtype=torch.long, device=device)
     qsa = None
-    if qsa_i is not None:
-        qsa = _qsa_blocks(views[qsa_i[0]], qsa_i[1], all_group.page_table, page_size, qsa_ratio)
+    if plan.qsa is not None:
+        qsa = _qsa_blocks(views[plan.qsa[0]], plan.qsa[1], all_group.page_table, page_size, plan.qsa_ratio)
     vision = {}
-    if mm is not None:
-        rope_i, rows_i, blocks_i, embeds = mm
+    if plan.images is not None:
+        rope_i, rows_i, blocks_i, embeds = plan.images
         vision = dict(rope_positions=views[rope_i].view(3, -1), vision_rows=views[rows_i], vision_embeds=embeds)
         if qsa is not None:
             qsa = dataclasses.replace(qsa, new_pos3=views[blocks_i].view(3, -1))
-    ex = views[ex_i]
+    ex = views[plan.exports]
     return ForwardBatch(
-        input_ids=views[ids_i],
+        input_ids=views[plan.ids],
         positions=positions,
         segments=segments, kv=kv, states=states, all=all_group, decode=decode, prefill=prefill,
         kv_write_rows=kv_write_rows,
         row_segment=row_segment,
         ngram_context=ngram_context,
         export_seg=ex[:, 0], export_off=ex[:, 1], export_dst=ex[:, 2],
-        waves=[Wave(**_resolved(w, views)) for w in waves],
-        qsa=qsa, decode_only=decode_only, ple_rows=ple_rows or {}, **vision,
+        waves=[Wave(**_resolved(w, views)) for w in plan.waves],
+        qsa=qsa, decode_only=decode_only, ple_rows=ple_rows or {}, graph=graph, **vision,
     )
+
+
+def note_ngram_contexts(fb: ForwardBatch) -> None:
+    """After a forward: each segment's slot, and each internal export's, holds the n-gram context at its end."""
+    states = fb.states
+    width = states.ngram_context.shape[1]
+    if not width:
+        return
+    device = fb.input_ids.device
+    # History of segment i: its context (width ids) then its tokens; flat layout, one gather.
+    n = len(fb.segments)
+    starts = fb.all.cu_seqlens[:-1].long() + width * torch.arange(n, device=device)
+    history = torch.empty(fb.num_tokens + n * width, dtype=torch.long, device=device)
+    ctx_rows = starts[:, None] + torch.arange(width, device=device)
+    history[ctx_rows.flatten()] = fb.ngram_context.flatten()
+    tok_rows = fb.row_segment * width + torch.arange(fb.num_tokens, device=device)
+    history[tok_rows + width] = fb.input_ids
+    window = torch.arange(width, device=device)
+    if fb.num_exports:
+        at = starts[fb.export_seg] + fb.export_off
+        states.ngram_context[fb.export_dst] = history[at[:, None] + window]
+    ends = starts + fb.all.lengths
+    states.ngram_context[fb.all.slots] = history[ends[:, None] + window]
+
+
+def build_forward_batch(segments: list[Segment], input_ids: list[int], kv: KVPool | None, states: StatePool,
+                        ngram_eos: int, device: torch.device, qsa_ratio: int = 0,
+                        ngram_context: torch.Tensor | None = None, decode_only: bool = False,
+                        ple_rows: dict[int, Callable[[], torch.Tensor]] | None = None) -> ForwardBatch:
+    """Device metadata for ``segments`` (decodes first, then prefills; rows in that order).
+
+    ``ngram_context`` overrides the segments' n-gram contexts (read from their slots otherwise): an
+    internal chunk of a layer-major prefill takes it from the ids before it, and ``ple_rows`` its PLE
+    table rows gathered ahead. ``decode_only``: every row decodes a generated token.
+    """
+    plan = plan_forward_batch(segments, input_ids, kv is not None, qsa_ratio)
+    views = plan.up.send(torch.device(device))
+    return assemble_forward_batch(plan, views, kv, states, ngram_eos, ngram_context, decode_only, ple_rows)
 
 
 def _images_host(up: Upload, segments: list[Segment], ratio: int):

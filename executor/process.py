@@ -101,7 +101,7 @@ def run_executor(args: ServerArgs, model_path: str, rank: int) -> None:
     finally:
         if workers is not None:
             workers.stop()
-    runner.compiles, compiles.graphs = compiles, runner.graphs
+    runner.compiles, compiles.graphs, compiles.prefill_graphs = compiles, runner.graphs, runner.prefill_graphs
     if warming:
         warm = WarmUp(runner, sizes, max_prefill, args.max_running_requests,
                       layer_major_chunk=layer_major_chunk(args))

@@ -13,13 +13,14 @@ import torch
 
 from ..config.model import ModelConfig
 from ..kernels.backend import forces_torch
+from ..kernels.gdn_varlen import gdn_prefill_on_device
 from ..messages import Batch, ImageInput, SamplingParams, SegmentSpec, TokenLogprob
 from ..runtime.faults import SCRIPTED, scripted_output
 from ..vision import ImageProcessor
 from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
-from .forward_batch import ForwardBatch, Segment, build_forward_batch
+from .forward_batch import ForwardBatch, Segment, build_forward_batch, note_ngram_contexts
 from .images import RequestImages
 from .layer_major import LayerMajorPrefill
 from .layers.hyper_connection import GatedResidual
@@ -27,6 +28,7 @@ from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
 from .offload.ple_table import PinnedTable, RowsAhead
+from .prefill_graph import PrefillGraphs
 from .sampler import Sampler, TokenCounts
 from .structured import GrammarStates
 from .upload import device_ints
@@ -93,6 +95,7 @@ class ModelRunner:
         self.last_sampled: dict[int, int] = {}  # slot -> the token sampled there by the latest batch
         self.unfinished: dict[int, Launched] = {}  # slot -> the launched batch that samples it, not yet finished
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.images: dict[int, RequestImages] = {}  # slot -> its request's images
         self.vision_cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # image digest -> features, LRU
         self.image_processor = ImageProcessor.from_checkpoint(model_path, config.vision_config, config.image_token_id) \
@@ -111,6 +114,13 @@ class ModelRunner:
                                    pad_slot=self.states.num_slots - 1, pad_page=self.kv.num_pages - 1,
                                    capture=capture)
 
+    def use_prefill_graphs(self, max_pages: int, capture: bool) -> None:
+        """Run prompt chunks alone in their batch from CUDA graphs of padded sizes (``capture``) or, without it,
+        as the same padded forward run eagerly (see :mod:`.prefill_graph`); padding rows as the decode graphs'."""
+        self.prefill_graphs = PrefillGraphs(self.model, self.config, self.kv, self.states, self.device, max_pages,
+                                            pad_slot=self.states.num_slots - 1, pad_page=self.kv.num_pages - 1,
+                                            capture=capture)
+
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counters for /metrics: expert streaming per MoE layer, TP collectives."""
         out = self.expert_store.stats() if self.expert_store is not None else {}
@@ -121,6 +131,8 @@ class ModelRunner:
             out["tp_hc_shard_forwards"] = [self.hc_shard_forwards]
         if self.graphs is not None and self.graphs.capture:
             out["cuda_graph_replays"] = [self.graphs.steps]
+        if self.prefill_graphs is not None and self.prefill_graphs.capture:
+            out["prefill_graph_replays"] = [self.prefill_graphs.replays]
         if self.model.visual is not None:
             out["images_encoded"] = [self.images_encoded]
         if self.compiles is not None:
@@ -190,6 +202,10 @@ class ModelRunner:
         specs = batch.segments
         if self._graph_batch(batch):
             launched = self._execute_graph(specs)
+            if launched is not None:
+                return launched
+        elif self._prefill_graph_batch(batch):
+            launched = self._execute_prefill_graph(specs[0])
             if launched is not None:
                 return launched
         # Decodes first, then prefill chunks (see forward_batch); ``order[j]`` is the message index
@@ -324,6 +340,30 @@ class ModelRunner:
         return (self.graphs is not None and batch.mode != "layer_major"
                 and all(is_decode(s) and not s.want_logits and not s.prompt_targets and s.slot not in self.images
                         for s in batch.segments))
+
+    def _prefill_graph_batch(self, batch: Batch) -> bool:
+        """Prompt graphs serve a prompt chunk alone in its batch (several rows, no images, no logits or prompt
+        log-probabilities asked for its rows); :meth:`PrefillGraphs.key` decides whether its size fits one."""
+        if self.prefill_graphs is None or batch.mode == "layer_major" or len(batch.segments) != 1:
+            return False
+        spec = batch.segments[0]
+        return (len(spec.token_ids) > 1 and not spec.want_logits and not spec.prompt_targets and not spec.images
+                and spec.slot not in self.images)
+
+    def _execute_prefill_graph(self, spec: SegmentSpec) -> Launched | None:
+        """A prompt chunk from its graph (``None``: no captured shape takes it; run it eagerly)."""
+        table = self._table(spec)
+        if self.graphs is not None:
+            self.graphs.flush_pages()
+        exports = [(int(o), int(d)) for o, d in spec.exports]
+        logits = self.prefill_graphs.run(spec.slot, spec.start, spec.token_ids, table, exports)
+        if logits is None:
+            return None
+        ends = [d for o, d in exports if o == len(spec.token_ids)]
+        self.states.copy_many([spec.slot] * len(ends), ends)
+        out = RunnerOutput(token_ids=[-1])
+        self._sample(out, [spec], logits.float(), {0: 0})
+        return Launched(out, finished=True)
 
     def _encode(self, images: list[ImageInput]) -> None:
         """Encode the images not in the feature cache (those of a request encoded before, such as the
@@ -510,22 +550,7 @@ class ModelRunner:
         Layers write each segment's final state into its own slot and internal exports into theirs;
         an export at a segment's end is that final state, copied here once for every state tensor.
         """
-        width = self.states.ngram_context.shape[1]
-        if width:
-            # History of segment i: its context (width ids) then its tokens; flat layout, one gather.
-            n = len(fb.segments)
-            starts = fb.all.cu_seqlens[:-1].long() + width * torch.arange(n, device=self.device)
-            history = torch.empty(fb.num_tokens + n * width, dtype=torch.long, device=self.device)
-            ctx_rows = starts[:, None] + torch.arange(width, device=self.device)
-            history[ctx_rows.flatten()] = fb.ngram_context.flatten()
-            tok_rows = fb.row_segment * width + torch.arange(fb.num_tokens, device=self.device)
-            history[tok_rows + width] = fb.input_ids
-            window = torch.arange(width, device=self.device)
-            if fb.num_exports:
-                at = starts[fb.export_seg] + fb.export_off
-                self.states.ngram_context[fb.export_dst] = history[at[:, None] + window]
-            ends = starts + fb.all.lengths
-            self.states.ngram_context[fb.all.slots] = history[ends[:, None] + window]
+        note_ngram_contexts(fb)
         ends = [(seg.slot, dst) for seg in fb.segments for off, dst in seg.exports if off == seg.length]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
 
@@ -584,6 +609,8 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
     if decode_graphs(args, device, offloaded=store is not None, ranks=tp().size):
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
+        if not args.disable_prefill_graph and gdn_prefill_on_device(dtype, device):
+            runner.use_prefill_graphs(max_pages, capture=True)
     logger.info("model loaded in %.1f s, pools and tables set up in %.1f s", load_s,
                 time.perf_counter() - pools_began)
     return runner

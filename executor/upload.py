@@ -28,19 +28,41 @@ class Upload:
         self._arrays.append(np.ascontiguousarray(values, dtype=dtype))
         return Ref(len(self._arrays) - 1)
 
-    def send(self, device: torch.device) -> list[torch.Tensor]:
+    def send(self, device: torch.device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The arrays as views of one device buffer: a new one, or ``into`` (bytes on ``device``, at least
+        :meth:`nbytes` of them), which a CUDA graph recorded over its views reads at every replay."""
+        offsets = self._offsets()
+        size = self.nbytes()
+        cuda = device.type == "cuda"
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        flat = host.numpy()
+        for a, off in zip(self._arrays, offsets, strict=True):
+            flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
+        if into is not None:
+            if into.numel() < size:
+                raise ValueError(f"the upload needs {size} bytes; the buffer holds {into.numel()}")
+            buf = into
+            buf[:size].copy_(host, non_blocking=cuda)
+        else:
+            buf = host if device.type == "cpu" else host.to(device, non_blocking=cuda)
+        return [buf[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).reshape(a.shape)
+                for a, off in zip(self._arrays, offsets, strict=True)]
+
+    def _offsets(self) -> list[int]:
         offsets, size = [], 0
         for a in self._arrays:
             offsets.append(size)
             size += -(-a.nbytes // 16) * 16
-        cuda = device.type == "cuda"
-        host = torch.empty(max(size, 16), dtype=torch.uint8, pin_memory=cuda)
-        flat = host.numpy()
-        for a, off in zip(self._arrays, offsets, strict=True):
-            flat[off:off + a.nbytes] = a.reshape(-1).view(np.uint8)
-        buf = host if device.type == "cpu" else host.to(device, non_blocking=cuda)
-        return [buf[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).reshape(a.shape)
-                for a, off in zip(self._arrays, offsets, strict=True)]
+        return offsets
+
+    def nbytes(self) -> int:
+        """The device buffer's size: every array at a 16-byte aligned offset (at least 16 bytes)."""
+        total = sum(-(-a.nbytes // 16) * 16 for a in self._arrays)
+        return max(total, 16)
+
+    def layout(self) -> tuple:
+        """Each array's dtype and shape, in order: two uploads of one layout give views at the same offsets."""
+        return tuple((a.dtype.str, a.shape) for a in self._arrays)
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.long, np.dtype(np.int32): torch.int32, np.dtype(np.bool_): torch.bool,

@@ -16,8 +16,9 @@ the limit, one less and one more, the limit and its largest multiple of 16), one
   where QSA selects its most blocks (decode attention splits its keys by the count itself and the blocks
   selected); each sampling path (greedy, filtered random, log-probabilities), a continuation, a layer-major
   prefill when the server runs those;
-* with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`), captured over the whole model; the steps
-  before run their decode rows as the graph's step run eagerly (:func:`no_capture`), over their layers.
+* with CUDA graphs, every graph shape (:meth:`DecodeGraphs.shapes`, :meth:`PrefillGraphs.shapes`), captured
+  over the whole model; the steps before run their decode rows as the decode graph's step run eagerly
+  (:func:`no_capture`) and their prompt chunks eagerly, over their layers.
 
 Kernels depend on shapes, not on which layer runs them, so every forward but the graph captures runs over
 one layer of each kind (:func:`layer_kinds`): the warm-up costs a few layers' time, not the model's. Its
@@ -111,17 +112,21 @@ def only_layers(model, positions: list[int]):
 
 
 @contextlib.contextmanager
-def no_capture(graphs):
-    """Decode rows that fit a graph run its step eagerly until the block ends (``graphs``: the runner's
-    :class:`DecodeGraphs` or ``None``): a graph captured over some of the layers would replay only those."""
-    if graphs is None or not graphs.capture:
-        yield
-        return
-    graphs.capture = False
+def no_capture(runner):
+    """Until the block ends, decode rows that fit a graph run its step eagerly and prompt chunks run the eager
+    forward (a graph captured over some of the layers would replay only those; the eager forward's kernels
+    are what the steps warm)."""
+    graphs, prompts = runner.graphs, runner.prefill_graphs
+    capture = graphs is not None and graphs.capture
+    if capture:
+        graphs.capture = False
+    runner.prefill_graphs = None
     try:
         yield
     finally:
-        graphs.capture = True
+        runner.prefill_graphs = prompts
+        if capture:
+            graphs.capture = True
 
 
 class CompileCounter:
@@ -132,7 +137,8 @@ class CompileCounter:
         self.compiles = 0
         self.seconds = 0.0  # spent compiling (or loading from the cache) in this process
         self.by_kernel: dict[str, float] = {}  # those seconds by kernel (every specialization of it)
-        self.graphs = None
+        self.graphs = None  # the runner's DecodeGraphs
+        self.prefill_graphs = None  # and PrefillGraphs
         self.missed: list[str] = []  # what compiled after ready (the kernel and its specialization)
         self._at_ready: tuple[int, int] | None = None
         try:
@@ -166,7 +172,7 @@ class CompileCounter:
 
     @property
     def captures(self) -> int:
-        return self.graphs.captures if self.graphs is not None else 0
+        return sum(g.captures for g in (self.graphs, self.prefill_graphs) if g is not None)
 
     def slowest(self, n: int = 8) -> str:
         """The kernels that took longest to compile, with their seconds."""
@@ -235,6 +241,9 @@ class WarmUp:
         graphs = self.runner.graphs
         if graphs is not None and graphs.capture:
             out += [("graph", key) for key in graphs.shapes()]
+        prompts = self.runner.prefill_graphs
+        if prompts is not None and prompts.capture:
+            out += [("prefill_graph", key) for key in prompts.shapes()]
         return out
 
     def run(self, steps: list[tuple[str, object]] | None = None, show: bool = True) -> float:
@@ -250,7 +259,11 @@ class WarmUp:
         if what == "graph":  # a captured step replays the whole model
             self._graph(arg)
             return
-        with only_layers(self.runner.model, self.layers_for(what, arg)), no_capture(self.runner.graphs):
+        if what == "prefill_graph":
+            self.runner.prefill_graphs.prepare(arg)
+            return
+        with (only_layers(self.runner.model, self.layers_for(what, arg)),
+              no_capture(self.runner)):
             getattr(self, f"_{what}")(arg)
 
     def layers_for(self, what: str, arg) -> list[int]:

@@ -10,8 +10,10 @@ it, for float32, and on the CPU, the torch reference runs one sequence at a time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
 
 import torch
 
@@ -31,6 +33,29 @@ def _fla_chunk():
         logger.warning("flash-linear-attention is not installed: GDN prefill runs the torch reference")
         return None
     return fla_chunk
+
+
+@contextlib.contextmanager
+def fla_cache_off():
+    """flash-linear-attention's identity-keyed memo of index tensors off (when it is imported): inside a CUDA
+    graph capture their computation must be recorded, not taken from a call before it on the same tensors."""
+    utils = sys.modules.get("fla.utils")
+    if utils is None or not hasattr(utils, "FLA_DISABLE_TENSOR_CACHE"):
+        yield
+        return
+    before = utils.FLA_DISABLE_TENSOR_CACHE
+    utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        utils.FLA_DISABLE_TENSOR_CACHE = before
+
+
+def gdn_prefill_on_device(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether :func:`gdn_prefill` runs flash-linear-attention's kernel for ``dtype`` on ``device``: device work
+    only, no host list read (the torch reference walks the sequences on the host)."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return use_triton(probe, "gdn") and dtype != torch.float32 and _fla_chunk() is not None
 
 
 def gdn_prefill_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -73,7 +73,7 @@ class NGramEmbedding(nn.Module):
         rows = self.row_ids(batch)
         if self.table is None:  # --ple-backend gpu: the parameter itself, on the device
             emb = self.ngram_embedding.weight[rows]
-        elif batch.decode_only and isinstance(self.table, PinnedTable):  # a few rows, read in a graph-safe way
+        elif (batch.decode_only or batch.graph) and isinstance(self.table, PinnedTable):  # read in a graph-safe way
             emb = self.table.gather_on_device(rows)
         else:
             emb = self.table.gather(rows)
