@@ -342,7 +342,7 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                         "chunk of up to 2,112 tokens alone in its batch replays a graph of its padded size)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="report ready without the warm-up forwards that compile every kernel variant and capture "
-                        "every decode graph first (they then happen on the first requests that meet them)")
+                        "every CUDA graph first (they then happen on the first requests that meet them)")
     p.add_argument("--compile-cache", default=None,
                    help="directory of compiled kernels, kept across starts so that a second start warms up fast "
                         "(default: $XDG_CACHE_HOME/tidal/compile)")

@@ -124,9 +124,11 @@ class Metrics:
                      tp_reduce_scatters="Reduce-scatters issued by executor rank 0.",
                      tp_hc_shard_forwards="Forwards run with hyper-connection row sharding.",
                      cuda_graph_replays="Decode steps replayed from CUDA graphs.",
+                     prefill_graph_replays="Prompt chunks run from CUDA graphs of their padded size.",
                      compilations_after_ready="Kernel specializations compiled or loaded after ready (the "
                                               "warm-up missed them).",
-                     graph_captures_after_ready="Decode graphs captured after ready (the warm-up missed them).",
+                     graph_captures_after_ready="Decode and prompt graphs captured after ready (the warm-up missed "
+                                                "them).",
                      images_encoded="Images run through the vision tower (each distinct image once while its "
                                     "features stay cached).")
         for name, values in sorted(s.executor_stats.items()):
