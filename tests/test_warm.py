@@ -204,7 +204,8 @@ from tidal import LLM
 from tidal.executor.warm import CompileCounter, WarmUp
 counter = CompileCounter()
 llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_prefill_length=512, max_running_requests=8)
-counter.graphs = llm.runner.graphs
+counter.graphs, counter.prefill_graphs = llm.runner.graphs, llm.runner.prefill_graphs
+assert llm.runner.prefill_graphs is not None
 WarmUp(llm.runner, llm.sizes, 512, 8).run()
 counter.ready()
 before = [counter.compiles, counter.captures]
