@@ -389,3 +389,18 @@ def test_profile_layer_major_streams_nvfp4_bytes(tmp_path):
     expert = weights // 2 + weights // 16 + 4 * (2 * inter + hidden)
     assert (data["layers"], data["quantization"]) == (raw["num_hidden_layers"], "nvfp4")
     assert data["arms"]["layer_major"]["bytes"] == raw["num_hidden_layers"] * raw["num_experts"] * expert
+
+
+def test_bench_prefill_graphs_runs_on_cpu(tmp_path):
+    """Both arms of every case, and which cases the graphs' path took: prompts up to the largest captured size
+    (2,112 rows) and the continuation; not a longer one."""
+    out = tmp_path / "out"
+    run_script("bench_prefill_graphs.py", "--out", str(out), "--preset", "tiny", "--lengths", "37,130,2200",
+               "--context", "300", "--repeats", "1", "--device", "cpu")
+    result = json.loads((out / "bench_prefill_graphs.json").read_text())
+    rows = {r["case"]: r for r in result["rows"]}
+    assert list(rows) == ["cold 37", "cold 130", "cold 2200", "+77 after 300"]
+    assert [rows[c]["replayed"] for c in rows] == [True, True, False, True]
+    for r in rows.values():
+        assert len(r["samples"]["graphs"]) == len(r["samples"]["eager"]) == 1
+        assert r["graphs_over_eager"] == r["graphs_s"] / r["eager_s"] > 0
