@@ -172,17 +172,19 @@ class PrefillGraphs:
         if layers != self.num_layers:
             raise RuntimeError(f"a prompt graph captured over {layers} of the model's {self.num_layers} layers "
                                "would replay only those")
-        # The capture's prompt: the padding slot's, as long as the shape takes (it touches only padding).
-        m, blocks = key
-        length = GDN_CHUNK * m + GDN_CHUNK
-        start = max(0, blocks * self.ratio - length) if self.ratio else 0
-        pages = [self.pad_page] * -(-(start + length) // self.page_size)
-        plan, last = self._plan(key, self.pad_slot, start, [0] * length, pages, [])
+        plan, last = self.capture_plan(key)
         self._layouts[key] = signature(plan)
         self._buffers[key] = torch.zeros(plan.up.nbytes(), dtype=torch.uint8, device=self.device)
         views = plan.up.send(self.device, into=self._buffers[key])
         self._graphs[key] = self._record(key, plan, views, last)
         self.captures += 1
+
+    def capture_plan(self, key: tuple[int, int]) -> tuple[ForwardPlan, int]:
+        """The forward a graph of shape ``key`` is recorded over: a prompt on the padding slot and page (it touches
+        only padding), as short as the shape allows; any prompt the shape takes gives the same :func:`signature`."""
+        length = GDN_CHUNK + (1 if key[0] else 0)
+        pages = [self.pad_page] * -(-length // self.page_size)
+        return self._plan(key, self.pad_slot, 0, [0] * length, pages, [])
 
     def _plan(self, key, slot, start, token_ids, pages, exports) -> tuple[ForwardPlan, int]:
         length = len(token_ids)

@@ -101,6 +101,9 @@ def test_one_shape_one_signature(tiny_checkpoint):
                 sig = signature(plan)
                 assert seen.setdefault(key, sig) == sig, (length, start, exports)
     assert {m for m, _ in seen} == {0, 1, 2, 4}
+    for key, sig in seen.items():  # and the forward each graph is recorded over
+        assert signature(graphs.capture_plan(key)[0]) == sig, key
+    assert set(seen) <= set(graphs.shapes())
 
 
 def test_split_layout():

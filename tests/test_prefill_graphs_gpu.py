@@ -37,7 +37,7 @@ def test_replayed_prompt_logits_equal_eager(pair, length):
     before = graphs.replays
     first = graphed.generate([prompt], max_tokens=1)[0]
     assert graphs.replays == before + 1
-    got = graphs.logits[0].float()
+    got = graphs.logits[0].float().cpu()
     want = eager.score(prompt)[-1].float()
     torch.testing.assert_close(got, want, atol=0.03 * want.abs().max().item(), rtol=0.02)
     assert first == eager.generate([prompt], max_tokens=1)[0]
