@@ -243,16 +243,16 @@ def _waves(up: Upload, prefill: list[Segment]) -> list[dict]:
 def _qsa_host(up: Upload, segments: list[Segment], ratio: int, fixed: FixedShape | None = None) -> tuple[Ref, int]:
     """The segment and block of every block this forward completes (``[Mb, 2]`` in ``up``), and the
     most blocks of any segment (``fixed``: its counts, the list padded with repeats of the last segment's
-    first block, which the last segment rewrites alike)."""
+    first block, which the last segment rewrites alike; a padding segment may complete more blocks than its rows
+    then score)."""
     first = np.array([s.start // ratio for s in segments], dtype=np.int64)
     counts = np.array([s.end // ratio for s in segments], dtype=np.int64) - first
     seg = np.repeat(np.arange(len(segments)), counts)
     block = np.arange(int(counts.sum())) - np.repeat(_cu(counts)[:-1], counts) + np.repeat(first, counts)
     most = max(s.end // ratio for s in segments)
     if fixed is not None:
-        if len(seg) > fixed.qsa_new or most > fixed.qsa_blocks:
-            raise ValueError(f"{len(seg)} new QSA blocks and {most} per segment exceed the fixed shape's "
-                             f"{fixed.qsa_new} and {fixed.qsa_blocks}")
+        if len(seg) > fixed.qsa_new:
+            raise ValueError(f"{len(seg)} new QSA blocks exceed the fixed shape's {fixed.qsa_new}")
         pad = fixed.qsa_new - len(seg)
         seg = np.concatenate([seg, np.full(pad, len(segments) - 1)])
         block = np.concatenate([block, np.full(pad, first[-1])])

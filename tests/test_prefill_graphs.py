@@ -104,6 +104,11 @@ def test_one_shape_one_signature(tiny_checkpoint):
     for key, sig in seen.items():  # and the forward each graph is recorded over
         assert signature(graphs.capture_plan(key)[0]) == sig, key
     assert set(seen) <= set(graphs.shapes())
+    every = PrefillGraphs(graphs.model, llm.runner.config, graphs.kv, graphs.states, graphs.device, 4096,
+                          graphs.pad_slot, graphs.pad_page, capture=False)
+    for key in every.shapes():  # the default sizes: padding longer than any block bucket it is recorded with
+        plan, _ = every.capture_plan(key)
+        assert plan.groups[0]["num_rows"] == rows_of(key[0]) and plan.qsa[1] == key[1]
 
 
 def test_split_layout():
