@@ -76,6 +76,16 @@ def serve_args(model: str, flags: list[str]):
     return args_from_namespace(parser.parse_args(["--model", model, *flags]))
 
 
+def llm_kwargs(args) -> dict:
+    """``tidal.LLM`` keyword arguments for the flags of ``args`` (:func:`serve_args`) that shape the model and its
+    forwards: every field not at its default, less what names the model or the server."""
+    import dataclasses
+
+    skip = {"model", "device", "dtype", "load_format", "host", "port", "served_model_name"}
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+            if f.name not in skip and getattr(args, f.name) != f.default}
+
+
 def health_status(url: str, timeout: float = 2.0) -> int | None:
     """The HTTP status of ``url``/health, or None when nothing answers."""
     try:

@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from tidal import LLM
-from tidal.bench.server import serve_args, split_serve_flags
+from tidal.bench.server import llm_kwargs, serve_args, split_serve_flags
 from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
 
@@ -48,13 +48,7 @@ def main() -> None:
     longest = max(max(ns.lengths), ns.context + CONTINUATION)
     flags = ["--load-format", "random", "--max-model-len", str(longest + 64), "--kv-pool-tokens",
              str(2 * longest + 4096), *extra]
-    import dataclasses
-
-    args = serve_args(path, flags)
-    skip = {"model", "device", "dtype", "load_format", "host", "port", "served_model_name"}
-    llm_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-                if f.name not in skip and getattr(args, f.name) != f.default}
-    llm = LLM(path, device=ns.device, dtype="auto", load_format="random", **llm_args)
+    llm = LLM(path, device=ns.device, dtype="auto", load_format="random", **llm_kwargs(serve_args(path, flags)))
     runner = llm.runner
     graphs = runner.prefill_graphs
     if graphs is None and device.type == "cpu":

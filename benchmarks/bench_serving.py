@@ -46,7 +46,7 @@ import torch
 
 from tidal import LLM
 from tidal.bench.client import stream_events
-from tidal.bench.server import Server, serve_args, split_serve_flags
+from tidal.bench.server import Server, llm_kwargs, serve_args, split_serve_flags
 from tidal.bench.stats import gaps, percentile
 from tidal.bench.timing import host_seconds
 from tidal.executor.presets import write_checkpoint
@@ -209,12 +209,8 @@ def main() -> None:
              "--max-running-requests", str(max(max(ns.concurrency), 2)), *extra]
     served = serving(path, ns, flags, Prompts(1))
     # The forward-level runs take the server's flags that shape the forward.
-    import dataclasses
-
     args = serve_args(path, flags)
-    skip = {"model", "device", "dtype", "load_format", "host", "port", "served_model_name", "max_prefill_length"}
-    llm_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
-                if f.name not in skip and getattr(args, f.name) != f.default}
+    llm_args = llm_kwargs(args)
     llm_args["max_prefill_length"] = args.max_prefill_length
     forward = forward_level(path, ns, llm_args, Prompts(2))
     step1 = forward["step_s"][1]

@@ -48,6 +48,17 @@ BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_BLOCKS = 64
 
 
+def block_bucket(blocks: int, cap: int) -> int:
+    """The QSA block count a graph is captured for that holds ``blocks`` (a power of two): at least
+    :data:`MIN_BLOCKS`, at most ``cap`` (the blocks of the longest context a graph serves)."""
+    return max(1, min(max(MIN_BLOCKS, blocks), cap))
+
+
+def block_buckets(cap: int) -> list[int]:
+    """Every :func:`block_bucket` up to ``cap``, ascending."""
+    return sorted({block_bucket(1 << i, cap) for i in range(max(cap, 1).bit_length() + 1)})
+
+
 class DecodeGraphs:
     def __init__(self, model, config, kv, states, device: torch.device, max_batch: int, max_pages: int,
                  pad_slot: int, pad_page: int, capture: bool):
@@ -127,20 +138,17 @@ class DecodeGraphs:
         size = next(b for b in self.sizes if b >= len(positions))
         if not self.ratio:
             return size, 0
-        return size, self._blocks(next_pow2(max(p + 1 for p in positions) // self.ratio))
+        return size, block_bucket(next_pow2(max(p + 1 for p in positions) // self.ratio), self._cap())
 
-    def _blocks(self, blocks: int) -> int:
-        cap = self.max_pages * self.page_size // self.ratio
-        return max(1, min(max(MIN_BLOCKS, blocks), cap))
+    def _cap(self) -> int:
+        return self.max_pages * self.page_size // self.ratio
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every shape ``(rows, QSA blocks)`` a step can take: each padded batch size with each QSA block
         bucket up to the longest context a graph serves."""
         if not self.ratio:
             return [(size, 0) for size in self.sizes]
-        cap = self.max_pages * self.page_size // self.ratio
-        buckets = sorted({self._blocks(1 << i) for i in range(max(cap, 1).bit_length() + 1)})
-        return [(size, blocks) for size in self.sizes for blocks in buckets]
+        return [(size, blocks) for size in self.sizes for blocks in block_buckets(self._cap())]
 
     # -- the step ----------------------------------------------------------------------------------
 

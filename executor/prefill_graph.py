@@ -39,7 +39,7 @@ import torch
 
 from ..kernels.backend import next_pow2
 from ..kernels.gdn_varlen import fla_cache_off
-from .cuda_graph import MIN_BLOCKS
+from .cuda_graph import block_bucket, block_buckets
 from .forward_batch import (
     GDN_CHUNK,
     FixedShape,
@@ -118,22 +118,19 @@ class PrefillGraphs:
         m = 0 if cut[0] == 0 else next(m for m in self.sizes if m and GDN_CHUNK * m >= cut[0])
         if not self.ratio:
             return m, 0
-        blocks = self._blocks(next_pow2(max(1, (start + length) // self.ratio)))
+        blocks = block_bucket(next_pow2(max(1, (start + length) // self.ratio)), self._cap())
         if blocks > QSA_TRITON_MAX_BLOCKS or (start + length) // self.ratio > blocks:
             return None
         return m, blocks
 
-    def _blocks(self, blocks: int) -> int:
-        cap = self.max_pages * self.page_size // self.ratio
-        return max(1, min(max(MIN_BLOCKS, blocks), cap))
+    def _cap(self) -> int:
+        return self.max_pages * self.page_size // self.ratio
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every shape a prompt forward can take: each size with each QSA block bucket a graph serves."""
         if not self.ratio:
             return [(m, 0) for m in self.sizes]
-        cap = self.max_pages * self.page_size // self.ratio
-        buckets = sorted({b for i in range(max(cap, 1).bit_length() + 1)
-                          if (b := self._blocks(1 << i)) <= QSA_TRITON_MAX_BLOCKS})
+        buckets = [b for b in block_buckets(self._cap()) if b <= QSA_TRITON_MAX_BLOCKS]
         return [(m, blocks) for m in self.sizes for blocks in buckets]
 
     def fixed(self, key: tuple[int, int]) -> FixedShape:

@@ -31,8 +31,7 @@ class Upload:
     def send(self, device: torch.device, into: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The arrays as views of one device buffer: a new one, or ``into`` (bytes on ``device``, at least
         :meth:`nbytes` of them), which a CUDA graph recorded over its views reads at every replay."""
-        offsets = self._offsets()
-        size = self.nbytes()
+        offsets, size = self._offsets()
         cuda = device.type == "cuda"
         host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
         flat = host.numpy()
@@ -48,17 +47,17 @@ class Upload:
         return [buf[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).reshape(a.shape)
                 for a, off in zip(self._arrays, offsets, strict=True)]
 
-    def _offsets(self) -> list[int]:
+    def _offsets(self) -> tuple[list[int], int]:
+        """Each array's offset in the device buffer (16-byte aligned) and the buffer's size (at least 16 bytes)."""
         offsets, size = [], 0
         for a in self._arrays:
             offsets.append(size)
             size += -(-a.nbytes // 16) * 16
-        return offsets
+        return offsets, max(size, 16)
 
     def nbytes(self) -> int:
-        """The device buffer's size: every array at a 16-byte aligned offset (at least 16 bytes)."""
-        total = sum(-(-a.nbytes // 16) * 16 for a in self._arrays)
-        return max(total, 16)
+        """The device buffer's size."""
+        return self._offsets()[1]
 
     def layout(self) -> tuple:
         """Each array's dtype and shape, in order: two uploads of one layout give views at the same offsets."""
