@@ -1,6 +1,7 @@
 """The one timer of the benchmarks and tools, and the hardware rates they divide by: CUDA events on a
 GPU (``perf_counter`` elsewhere), a CUDA-graph replay timer for calls too short to launch one by one, peak
-matmul throughput, HBM bandwidth and pinned host-to-device bandwidth, each measured in the run that uses it."""
+matmul throughput, HBM bandwidth and pinned host-to-device bandwidth, each measured in the run that uses it, and
+the GPU's busy time in a torch profile."""
 
 from __future__ import annotations
 
@@ -25,6 +26,26 @@ def host_seconds(fn: Callable[[], Any], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - t0
+
+
+def gpu_busy(prof) -> tuple[int, float, float, list[tuple[float, str]]]:
+    """A torch profile's device events: their count, the GPU's busy microseconds (the union of their
+    intervals), the span from the first start to the last end, and each idle gap (microseconds, the event
+    after it)."""
+    from torch.autograd import DeviceType
+
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        return 0, 0.0, 0.0, []
+    busy, gaps, end = 0.0, [], events[0].time_range.start
+    for e in events:
+        start, stop = e.time_range.start, e.time_range.end
+        if start > end:
+            gaps.append((start - end, e.name))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return len(events), busy, end - events[0].time_range.start, gaps
 
 
 def device_ms(fn: Callable[[], Any], device: torch.device, samples: int = 10, min_sample_ms: float = 1.0,

@@ -1,7 +1,8 @@
 """Prompt forwards from CUDA graphs against the same forwards run eagerly, in one process.
 
     python benchmarks/bench_prefill_graphs.py --out DIR [--preset bench] [--lengths 64,256,1000,1024,2000,4096]
-                                              [--context 32000] [--repeats 5] [--device cuda] [-- tidal serve flags]
+                                              [--context 32000] [--repeats 5] [--device cuda] [--profile N]
+                                              [-- tidal serve flags]
 
 One ``tidal.LLM`` of the preset (random weights; the serve flags after ``--`` shape it as they shape a server),
 timed from the host (the device synchronised before and after): a one-token greedy generation of a new prompt of
@@ -9,24 +10,30 @@ each length (cold: nothing cached), and of 77 new tokens after a cached ``--cont
 continuation: its prefix a prefix-cache hit). Two arms on the same runner, alternating sample by sample: ``graphs``
 (the runner's prompt graphs, captured before timing) and ``eager`` (the same runner without them). Per length the
 median seconds of each arm, ``graphs_over_eager`` and whether the graphs arm replayed a graph (lengths past the
-largest captured size run eagerly in both). Writes ``DIR/bench_prefill_graphs.json``. On a CPU the arms run the
+largest captured size run eagerly in both). ``--profile N`` then profiles one more sample of each arm and case:
+the GPU's busy time (the union of its kernels) against the host's wall time under the torch profiler, and the
+N Python functions with the most time in all under cProfile. Writes ``DIR/bench_prefill_graphs.json``. On a CPU the arms run the
 graphs' padded forward eagerly (``capture`` off): a check of the plumbing, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from tidal import LLM
 from tidal.bench.server import llm_kwargs, serve_args, split_serve_flags
-from tidal.bench.timing import host_seconds
+from tidal.bench.timing import gpu_busy, host_seconds
 from tidal.executor.presets import write_checkpoint
 
 CONTINUATION = 77
@@ -41,6 +48,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", type=int, default=0, help="profile one more sample per arm and case")
     ns = ap.parse_args(argv)
     os.makedirs(ns.out, exist_ok=True)
     device = torch.device(ns.device)
@@ -94,11 +102,35 @@ def main() -> None:
                      "replayed": all(replayed), "samples": samples})
         print(f"{name:<22s} graphs {g * 1e3:8.2f} ms   eager {e * 1e3:8.2f} ms   {g / e:5.2f}"
               f"{'' if all(replayed) else '   (no graph: eager in both)'}", flush=True)
+    if ns.profile:
+        for (name, make), row in zip(cases, rows):
+            row["profile"] = {arm: profiled(arm, make, timed, device, ns.profile, name)
+                              for arm in ("graphs", "eager")}
     result = {"preset": ns.preset, "device": ns.device,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "flags": flags, "captured": graphs.captures, "shapes": len(graphs.shapes()), "rows": rows}
     with open(os.path.join(ns.out, "bench_prefill_graphs.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def profiled(arm: str, make, timed, device: torch.device, top: int, name: str) -> dict:
+    """One sample under the torch profiler (the GPU's busy time against the wall time) and one under cProfile
+    (the ``top`` functions by time in all, printed)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall, _ = timed(arm, make())
+    count, busy, span, gaps = gpu_busy(prof)
+    print(f"{name} [{arm}]: wall {wall * 1e3:.2f} ms (profiled), GPU busy {busy / 1e3:.2f} ms in {count} device "
+          f"events over {span / 1e3:.2f} ms, {len(gaps)} gaps", flush=True)
+    host = cProfile.Profile()
+    host.enable()
+    wall_host, _ = timed(arm, make())
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).strip_dirs().sort_stats("cumtime").print_stats(top)
+    print(f"{name} [{arm}]: wall {wall_host * 1e3:.2f} ms under cProfile\n" + text.getvalue(), flush=True)
+    return {"wall_s": wall, "gpu_busy_s": busy / 1e6, "device_events": count, "span_s": span / 1e6,
+            "gaps": len(gaps)}
 
 
 if __name__ == "__main__":

@@ -396,7 +396,7 @@ def test_bench_prefill_graphs_runs_on_cpu(tmp_path):
     (2,112 rows) and the continuation; not a longer one."""
     out = tmp_path / "out"
     run_script("bench_prefill_graphs.py", "--out", str(out), "--preset", "tiny", "--lengths", "37,130,2200",
-               "--context", "300", "--repeats", "1", "--device", "cpu")
+               "--context", "300", "--repeats", "1", "--device", "cpu", "--profile", "3")
     result = json.loads((out / "bench_prefill_graphs.json").read_text())
     rows = {r["case"]: r for r in result["rows"]}
     assert list(rows) == ["cold 37", "cold 130", "cold 2200", "+77 after 300"]
@@ -404,3 +404,5 @@ def test_bench_prefill_graphs_runs_on_cpu(tmp_path):
     for r in rows.values():
         assert len(r["samples"]["graphs"]) == len(r["samples"]["eager"]) == 1
         assert r["graphs_over_eager"] == r["graphs_s"] / r["eager_s"] > 0
+        for arm in ("graphs", "eager"):  # a CPU run records no device events
+            assert r["profile"][arm]["wall_s"] > 0 and r["profile"][arm]["device_events"] == 0

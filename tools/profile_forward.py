@@ -22,30 +22,21 @@ import tempfile
 import time
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from tidal import LLM
+from tidal.bench.timing import gpu_busy
 from tidal.executor.presets import keep_first_layers, write_checkpoint
 from tidal.messages import Batch, SegmentSpec
 
 
 def timeline(prof) -> None:
     """GPU busy time (union of kernel and memcpy intervals) against their span, and the longest gaps."""
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    if not kernels:
+    count, busy, span, gaps = gpu_busy(prof)
+    if not count:
         print("GPU timeline: the profiler recorded no device events")
         return
-    busy, gaps, end = 0.0, [], kernels[0].time_range.start
-    for e in kernels:
-        start, stop = e.time_range.start, e.time_range.end
-        if start > end:
-            gaps.append((start - end, e.name))
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    span = end - kernels[0].time_range.start
-    print(f"GPU timeline: {len(kernels)} kernels, busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms "
+    print(f"GPU timeline: {count} kernels, busy {busy / 1e3:.1f} ms of {span / 1e3:.1f} ms "
           f"({busy / span:.3f}); idle {sum(g for g, _ in gaps) / 1e3:.2f} ms in {len(gaps)} gaps")
     for gap, name in sorted(gaps, reverse=True)[:15]:
         print(f"  gap {gap:8.1f} us before {name[:90]}")
