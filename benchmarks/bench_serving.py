@@ -26,8 +26,8 @@ The server is stopped and the same model and flags run in this process (``tidal.
 and executor without the mesh), giving the forward-level figures: each length's prefill (a one-token
 generation, warm), the continuation's, the C-prompt burst's prefill, and a decode step at batch C (the mean of
 32 steps once all C decode). Ratios: cold first text over (prefill + one batch-1 step), the continuation's over
-its forward, burst decode tok/s over C / step(C), burst wall time over (burst prefill + ``--burst-tokens``
-steps at batch C). Writes ``DIR/bench_serving.json``.
+its forward, a burst's median first text over its prefill, burst decode tok/s over C / step(C), burst wall time
+over (burst prefill + ``--burst-tokens`` steps at batch C). Writes ``DIR/bench_serving.json``.
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def main() -> None:
         floor = forward["burst_prefill_s"][c] + ns.burst_tokens * step
         ratios["bursts"][c] = {"decode_over_forward": (b["decode_events_per_s"] or 0) / (c / step),
                                "wall_over_forward": b["wall_s"] / floor,
-                               "first_text_p50_s": b["first_text_p50_s"]}
+                               "first_text_p50_s": b["first_text_p50_s"],
+                               "first_over_prefill": b["first_text_p50_s"] / forward["burst_prefill_s"][c]}
     result = {"preset": ns.preset, "device": ns.device, "flags": flags, "serving": served, "forward": forward,
               "ratios": ratios}
     with open(os.path.join(ns.out, "bench_serving.json"), "w") as f:
@@ -236,10 +237,11 @@ def main() -> None:
               f"{ratios['cold_over_forward'][n]:.2f}")
     print(f"continuation: {served['continuation']['first_s']:.3f} s against {forward['continuation_s']:.3f} s "
           f"({ratios['continuation_over_forward']:.2f})")
-    print("C     first text p50 s   decode / forward   wall / (prefill + steps)   step ms")
+    print("C     first text p50 s   burst prefill s   ratio   decode / forward   wall / (prefill + steps)   step ms")
     for c in ns.concurrency:
         r = ratios["bursts"][c]
-        print(f"{c:<5d} {r['first_text_p50_s']:16.3f}   {r['decode_over_forward']:16.2f}   "
+        print(f"{c:<5d} {r['first_text_p50_s']:16.3f}   {forward['burst_prefill_s'][c]:15.3f}   "
+              f"{r['first_over_prefill']:5.2f}   {r['decode_over_forward']:16.2f}   "
               f"{r['wall_over_forward']:24.2f}   {forward['step_s'][c] * 1e3:7.2f}")
 
 

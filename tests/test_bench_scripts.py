@@ -332,6 +332,8 @@ def test_bench_serving_runs_on_cpu(tmp_path):
     for c in ("1", "4"):
         assert served["bursts"][c]["all_tokens"] and forward["step_s"][c] > 0
         assert ratios["bursts"][c]["wall_over_forward"] > 0 and ratios["bursts"][c]["decode_over_forward"] > 0
+        assert ratios["bursts"][c]["first_over_prefill"] == (served["bursts"][c]["first_text_p50_s"]
+                                                           / forward["burst_prefill_s"][c])
     assert all(r > 0 for r in ratios["cold_over_forward"].values()) and ratios["first_over_warm"] > 0
     first = served["first_burst_after_ready"]
     assert first["concurrency"] == 4 and first["first_s"] > 0 and ratios["first_burst_over_second"] > 0
