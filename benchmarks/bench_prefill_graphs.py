@@ -11,8 +11,8 @@ continuation: its prefix a prefix-cache hit). Two arms on the same runner, alter
 (the runner's prompt graphs, captured before timing) and ``eager`` (the same runner without them). Per length the
 median seconds of each arm, ``graphs_over_eager`` and whether the graphs arm replayed a graph (lengths past the
 largest captured size run eagerly in both). ``--profile N`` then profiles one more sample of each arm and case:
-the GPU's busy time (the union of its kernels) against the host's wall time under the torch profiler, and the
-N Python functions with the most time in all under cProfile. Writes ``DIR/bench_prefill_graphs.json``. On a CPU the arms run the
+the GPU's busy time (the union of its kernels) against the host's wall time and the N ops with the most device
+time under the torch profiler, and the N Python functions with the most time in all under cProfile. Writes ``DIR/bench_prefill_graphs.json``. On a CPU the arms run the
 graphs' padded forward eagerly (``capture`` off): a check of the plumbing, not a measurement.
 """
 
@@ -122,6 +122,8 @@ def profiled(arm: str, make, timed, device: torch.device, top: int, name: str) -
     count, busy, span, gaps = gpu_busy(prof)
     print(f"{name} [{arm}]: wall {wall * 1e3:.2f} ms (profiled), GPU busy {busy / 1e3:.2f} ms in {count} device "
           f"events over {span / 1e3:.2f} ms, {len(gaps)} gaps", flush=True)
+    if count:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70))
     host = cProfile.Profile()
     host.enable()
     wall_host, _ = timed(arm, make())
