@@ -24,10 +24,11 @@ just before the request; every prompt is new unless said, so nothing is cached):
 
 The server is stopped and the same model and flags run in this process (``tidal.LLM``, the server's scheduler
 and executor without the mesh), giving the forward-level figures: each length's prefill (a one-token
-generation, warm), the continuation's (after an untimed one of the same shape), the C-prompt burst's prefill, and
-a decode step at batch C (the mean of 32 steps once all C decode). Ratios: cold first text over (prefill + one batch-1 step), the continuation's over
-its forward, a burst's median first text over its prefill, burst decode tok/s over C / step(C), burst wall time
-over (burst prefill + ``--burst-tokens`` steps at batch C). Writes ``DIR/bench_serving.json``.
+generation, warm), the continuation's (after an untimed one of another 77 tokens), the C-prompt burst's prefill,
+and a decode step at batch C (the mean of 32 steps once all C decode). Ratios: cold first text over (prefill +
+one batch-1 step), the continuation's over its forward, a burst's median first text over its prefill, burst decode
+tok/s over C / step(C), burst wall time over (burst prefill + ``--burst-tokens`` steps at batch C).
+Writes ``DIR/bench_serving.json``.
 """
 
 from __future__ import annotations
@@ -178,11 +179,10 @@ def forward_level(path: str, ns, llm_args: dict, prompts: Prompts) -> dict:
 
     out: dict = {"prefill_s": {}}
     for n in ns.lengths:
-        warm = prompts(n)
-        prefill(warm)
+        prefill(prompts(n))
         longest = prompts(n)
         out["prefill_s"][n] = prefill(longest)
-    prefill(warm + prompts(CONTINUATION))  # untimed: the continuation's shape compiled (and captured)
+    prefill(longest + prompts(CONTINUATION))  # untimed: the continuation's shape compiled (and captured)
     out["continuation_s"] = prefill(longest + prompts(CONTINUATION))
     out["burst_prefill_s"], out["step_s"] = {}, {}
     for c in sorted(set(ns.concurrency) | {1}):
