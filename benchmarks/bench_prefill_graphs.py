@@ -12,8 +12,9 @@ continuation: its prefix a prefix-cache hit). Two arms on the same runner, alter
 median seconds of each arm, ``graphs_over_eager`` and whether the graphs arm replayed a graph (lengths past the
 largest captured size run eagerly in both). ``--profile N`` then profiles one more sample of each arm and case:
 the GPU's busy time (the union of its kernels) against the host's wall time and the N ops with the most device
-time under the torch profiler, and the N Python functions with the most time in all under cProfile. Writes ``DIR/bench_prefill_graphs.json``. On a CPU the arms run the
-graphs' padded forward eagerly (``capture`` off): a check of the plumbing, not a measurement.
+time under the torch profiler, and the N Python functions with the most time in all under cProfile. Writes
+``DIR/bench_prefill_graphs.json``. On a CPU the arms run the graphs' padded forward eagerly (``capture`` off): a
+check of the plumbing, not a measurement.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
         print(f"{name:<22s} graphs {g * 1e3:8.2f} ms   eager {e * 1e3:8.2f} ms   {g / e:5.2f}"
               f"{'' if all(replayed) else '   (no graph: eager in both)'}", flush=True)
     if ns.profile:
-        for (name, make), row in zip(cases, rows):
+        for (name, make), row in zip(cases, rows, strict=True):
             row["profile"] = {arm: profiled(arm, make, timed, device, ns.profile, name)
                               for arm in ("graphs", "eager")}
     result = {"preset": ns.preset, "device": ns.device,

@@ -54,28 +54,58 @@ def _starts_with(tokens: list[int], head: list[int]) -> bool:
     return True
 
 
+@dataclass
+class _Remembered:
+    tokens: list[int]  # the sequence's full pages of token ids
+    keys: list[bytes]  # their chain hashes
+    parent: bytes | None  # the longest other remembered sequence it extends (by its last key) when remembered
+
+
 class HashMemo:
     """The chain hashes of recently hashed token sequences, least recently used first, each under its last
     page's hash (which names the whole sequence: remembering it again only refreshes it).
 
     :meth:`lookup` gives the keys of the longest remembered sequence whose full pages the given tokens
     start with, compared element by element (in C, about 50x faster than hashing them): the keys are
-    then exactly what :func:`chain_hashes` would give for those pages."""
+    then exactly what :func:`chain_hashes` would give for those pages. A sequence that extends another one
+    remembered (equal chain hashes over the other's pages: the next turn of a conversation, continuations of one
+    long prompt) is compared only past it, once the other compared equal, so that one lookup compares each
+    position of the given tokens about once however many remembered sequences share a long prefix."""
 
     def __init__(self, page_size: int, max_tokens: int = MEMO_TOKENS, max_entries: int = MEMO_ENTRIES):
         self.page_size, self.max_tokens, self.max_entries = page_size, max_tokens, max_entries
-        self.entries: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
+        self.entries: OrderedDict[bytes, _Remembered] = OrderedDict()
         self.tokens = 0
 
     def lookup(self, tokens: list[int]) -> list[bytes]:
         """The keys of the longest remembered sequence that ``tokens`` start with ([] if none)."""
         best: list[bytes] = []
-        for toks, keys in self.entries.values():
-            if len(keys) > len(best) and _starts_with(tokens, toks):
-                best = keys
+        known: dict[bytes, bool] = {}  # entries compared in this lookup: whether tokens start with them
+        for key, entry in self.entries.items():
+            if len(entry.keys) > len(best) and self._starts(tokens, key, entry, known):
+                best = entry.keys
         if best:
             self.entries.move_to_end(best[-1])
         return best
+
+    def _starts(self, tokens: list[int], key: bytes, entry: _Remembered, known: dict[bytes, bool]) -> bool:
+        """Whether ``tokens`` start with ``entry``: past its parent's pages only, when the parent is still here."""
+        chain = []  # the entry and its remembered ancestors not compared yet, nearest first
+        while key not in known:
+            chain.append((key, entry))
+            parent = self.entries.get(entry.parent) if entry.parent is not None else None
+            if parent is None:
+                break
+            key, entry = entry.parent, parent
+        for key, entry in reversed(chain):
+            parent = self.entries.get(entry.parent) if entry.parent is not None else None
+            if parent is None:
+                known[key] = _starts_with(tokens, entry.tokens)
+            else:
+                head = len(parent.tokens)
+                known[key] = (known[entry.parent] and len(tokens) >= len(entry.tokens)
+                              and _starts_with(tokens[head:len(entry.tokens)], entry.tokens[head:]))
+        return known[chain[0][0]] if chain else known[key]
 
     def remember(self, tokens: list[int], keys: list[bytes]) -> None:
         """``keys``: the chain hashes of ``tokens``' full pages."""
@@ -86,8 +116,10 @@ class HashMemo:
             self.entries.move_to_end(keys[-1])
             return
         while self.entries and (self.tokens + n > self.max_tokens or len(self.entries) >= self.max_entries):
-            self.tokens -= len(self.entries.popitem(last=False)[1][0])
-        self.entries[keys[-1]] = (tokens[:n], list(keys))
+            self.tokens -= len(self.entries.popitem(last=False)[1].tokens)
+        parent = next((keys[i - 1] for i in range(len(keys) - 1, MEMO_MIN_PAGES - 1, -1)
+                       if keys[i - 1] in self.entries), None)
+        self.entries[keys[-1]] = _Remembered(tokens[:n], list(keys), parent)
         self.tokens += n
 
 
@@ -123,6 +155,10 @@ class PrefixCache:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.checkpoints: dict[bytes, Checkpoint] = {}
         self.idle_checkpoints: OrderedDict[bytes, None] = OrderedDict()
+        # The checkpoints standing on each cached or evicted page (by chain hash), and per checkpoint how many of
+        # its pages are not cached: one with any missing is unreachable, the first to go for a slot.
+        self.standing: dict[bytes, set[bytes]] = {}
+        self.missing: dict[bytes, int] = {}
         self.memo = HashMemo(page_size)
 
     # ---- accounting ---------------------------------------------------------------------------
@@ -205,6 +241,8 @@ class PrefixCache:
         page, _ = self.evictable.popitem(last=False)
         key = self.key_of.pop(page)
         del self.page_of[key]
+        for ckpt in self.standing.get(key, ()):
+            self.missing[ckpt] += 1
         self.pages.decref([page])
         self.counters["pages_evicted"] += 1
 
@@ -213,8 +251,7 @@ class PrefixCache:
         if slot is not None:
             return slot
         # Prefer checkpoints whose pages are gone (unreachable), then the least recently used.
-        victim = next((k for k in self.idle_checkpoints
-                       if any(pk not in self.page_of for pk in self.checkpoints[k].page_keys)), None)
+        victim = next((k for k in self.idle_checkpoints if self.missing[k]), None)
         if victim is None and self.idle_checkpoints:
             victim = next(iter(self.idle_checkpoints))
         if victim is None:
@@ -225,6 +262,12 @@ class PrefixCache:
     def _drop_checkpoint(self, key: bytes) -> None:
         ckpt = self.checkpoints.pop(key)
         self.idle_checkpoints.pop(key, None)
+        del self.missing[key]
+        for page_key in ckpt.page_keys:
+            on = self.standing[page_key]
+            on.discard(key)
+            if not on:
+                del self.standing[page_key]
         self.slots.free(ckpt.slot)
         self.counters["checkpoints_evicted"] += 1
 
@@ -239,6 +282,8 @@ class PrefixCache:
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key
+                for ckpt in self.standing.get(key, ()):  # cached again: its checkpoints may be whole again
+                    self.missing[ckpt] -= 1
                 self.pages.incref([page])  # the cache's own reference
 
     def insert_checkpoint(self, page_keys: list[bytes], slot: int) -> bool:
@@ -249,6 +294,9 @@ class PrefixCache:
             return False
         self.checkpoints[key] = Checkpoint(key=key, position=len(page_keys) * self.page_size, slot=slot,
                                            page_keys=list(page_keys))
+        self.missing[key] = 0
+        for page_key in page_keys:
+            self.standing.setdefault(page_key, set()).add(key)
         self.idle_checkpoints[key] = None
         self.counters["checkpoints_written"] += 1
         return True

@@ -112,13 +112,16 @@ class SchedulerLoop:
         busy = self.scheduler.has_work()
         timeout = 0 if (busy and self.in_flight is None) else 100
         first = self.inbound.recv(timeout_ms=timeout)
-        for msg in ([first] if first is not None else []) + self.inbound.drain():
+        msgs = ([first] if first is not None else []) + self.inbound.drain()
+        for msg in msgs:
             try:
                 self.handle(msg)
             except Exception:
                 self._recover(f"handling {type(msg).__name__}")
         if self.failed and self.scheduler.has_work():  # requests that arrived after the failure
             self.scheduler.fail_all("the executor failed; the server is restarting or shutting down")
+        if any(isinstance(msg, BatchResult) for msg in msgs):
+            self._flush()  # a result's tokens go out before the next batch is scheduled
         if self.in_flight is None and not self.failed:
             batch = self._schedule()
             if batch is not None:
@@ -132,13 +135,17 @@ class SchedulerLoop:
                 self.ahead = batch
                 for sock in self.to_executors:
                     sock.send(batch)
+        self._flush()
+        self._send_stats()
+
+    def _flush(self) -> None:
+        """Send the detokenizer the events of this step so far, in order."""
         if self._out:
             if self.scheduler.first_tokens:
                 # The counters of the forwards that finished a prompt reach /metrics before its first text.
                 self._send_stats(now=True)
             self.to_detok.send(StepOutput(events=list(self._out)))
             self._out.clear()
-        self._send_stats()
 
     def _schedule(self, ahead_of: Batch | None = None) -> Batch | None:
         try:

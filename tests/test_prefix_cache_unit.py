@@ -193,3 +193,78 @@ def test_attention_only_model_hits_at_page_boundaries(tmp_path, device):
     assert llm.scheduler.counters["cached_tokens"] == 96  # every full page, no checkpoint needed
     plain = LLM(path, device=device, disable_prefix_cache=True)
     assert plain.generate([prompt + [7, 8, 9]], max_tokens=8, ignore_eos=True)[0] == hit
+
+
+def test_unreachable_checkpoints_give_their_slots_first():
+    """With every slot taken, a new checkpoint slot comes from an idle checkpoint one of whose pages was evicted,
+    before a less recently used one still whole; one whose evicted pages are cached again is whole again."""
+    cache, counters = _cache(pages=8, slots=2)
+    a, b = list(range(100, 108)), list(range(200, 208))
+    pa, pb = cache.alloc_pages(2), cache.alloc_pages(2)
+    ka: list[bytes] = []
+    kb: list[bytes] = []
+    cache.insert_pages(pa, ka, a)
+    cache.insert_pages(pb, kb, b)
+    slot_b, slot_a = cache.alloc_checkpoint_slot(), cache.alloc_checkpoint_slot()
+    assert cache.insert_checkpoint(kb, slot_b) and cache.insert_checkpoint(ka, slot_a)  # b's the older
+    cache.release_pages(pa)  # a's pages the least recently used
+    cache.release_pages(pb)
+    assert cache.alloc_pages(5) is not None  # 4 free, then a's deepest page evicted
+    assert cache.match(a + [0]).tokens == 0 and cache.match(b + [0]).tokens == 8
+    assert cache.alloc_checkpoint_slot() == slot_a and counters["checkpoints_evicted"] == 1
+    assert cache.match(b + [0]).tokens == 8 and kb[-1] in cache.checkpoints
+
+    cache, counters = _cache(pages=8, slots=2)
+    c, d = list(range(300, 308)), list(range(400, 408))
+    pc, pd = cache.alloc_pages(2), cache.alloc_pages(2)
+    kc: list[bytes] = []
+    kd: list[bytes] = []
+    cache.insert_pages(pc, kc, c)
+    cache.insert_pages(pd, kd, d)
+    sc, sd = cache.alloc_checkpoint_slot(), cache.alloc_checkpoint_slot()
+    cache.insert_checkpoint(kc, sc)
+    cache.insert_checkpoint(kd, sd)
+    cache.release_pages(pd)  # d's pages the least recently used
+    cache.release_pages(pc)
+    held = cache.alloc_pages(6)  # 4 free, then both of d's pages evicted
+    assert cache.match(d + [0]).tokens == 0 and cache.match(c + [0]).tokens == 8
+    cache.pages.decref(held)  # free again
+    again: list[bytes] = []
+    cache.insert_pages(cache.alloc_pages(2), again, d)  # d's pages computed and cached anew
+    assert again == kd and cache.match(d + [0]).tokens == 8
+    assert cache.alloc_checkpoint_slot() == sc  # both whole: the least recently used goes
+    assert counters["checkpoints_evicted"] == 1
+
+
+def test_memo_compares_shared_prefixes_once(monkeypatch):
+    """Many remembered continuations of one long prompt: a lookup compares about the prompt's length of tokens,
+    not that times the number of continuations, and still gives the longest that matches."""
+    from tidal.scheduler import prefix_cache as prefix_cache_module
+
+    compared: list[int] = []
+    plain = prefix_cache_module._starts_with
+
+    def counting(tokens, head):
+        compared.append(len(head))
+        return plain(tokens, head)
+
+    monkeypatch.setattr(prefix_cache_module, "_starts_with", counting)
+    page = 4
+    memo = HashMemo(page)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 1000, (page * 200,), generator=gen).tolist()
+    memo.remember(base, chain_hashes(base, page))
+    conts = [base + torch.randint(0, 1000, (page * 3,), generator=gen).tolist() for _ in range(20)]
+    for cont in conts:
+        memo.remember(cont, chain_hashes(cont, page))
+    for probe, want in ((conts[7] + [1, 2], conts[7]), (base + [5] * 20, base), (conts[3][:-1], base)):
+        compared.clear()
+        assert memo.lookup(probe) == chain_hashes(want, page)
+        assert sum(compared) <= len(base) + 21 * page * 3, sum(compared)
+    compared.clear()
+    assert memo.lookup(torch.randint(0, 1000, (page * 300,), generator=gen).tolist()) == []
+    other = [t + 1 for t in base[:page]] + base[page:]  # differs in the first page only
+    assert memo.lookup(other + conts[7][len(base):] + [1]) == []  # a continuation's tail alone is no match
+    # Without its parent (evicted) a continuation is compared whole, and still found.
+    del memo.entries[chain_hashes(base, page)[-1]]
+    assert memo.lookup(conts[5] + [9]) == chain_hashes(conts[5], page)

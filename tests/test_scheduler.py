@@ -242,6 +242,27 @@ def test_one_message_per_step_to_the_detokenizer(make):
     assert len(outputs) == 1 and sorted(e.rid for e in outputs[0].events) == ["a", "b", "c"]
 
 
+def test_a_results_tokens_go_out_before_the_next_batch(make):
+    """The step that takes a batch's result sends its tokens to the detokenizer before it schedules and sends
+    the next batch (the decodes), so a first text does not wait for the next batch's scheduling."""
+    from tidal.messages import BatchResult, StepOutput
+
+    loop, events, sent = _loop(make)
+    order: list[str] = []
+    detok, execs = loop.to_detok.send, loop.to_executors[0].send
+    loop.to_detok = type("Sink", (), {"send": staticmethod(lambda m: (order.append(type(m).__name__), detok(m)))})()
+    loop.to_executors = [type("Sink", (), {"send": staticmethod(lambda m: (order.append("Batch"), execs(m)))})()]
+    _feed(loop, [req("a", 10)])
+    batch = sent[-1]
+    order.clear()
+    _feed(loop, [BatchResult(batch_id=batch.batch_id, token_ids=[7])])
+    outputs = [m for m in loop.sent_detok if isinstance(m, StepOutput)]
+    assert any(e.rid == "a" and e.token_ids == [7] for e in outputs[-1].events)
+    steps = [o for o in order if o in ("StepOutput", "Batch")]
+    assert steps == ["StepOutput", "Batch"], order  # the token first, then a's first decode
+    assert len(sent[-1].segments) == 1 and sent[-1].segments[0].token_ids == [7]
+
+
 def test_a_stale_result_leaves_the_batch_in_flight(make):
     from tidal.messages import BatchResult
 
