@@ -25,7 +25,9 @@ just before the request; every prompt is new unless said, so nothing is cached):
 The server is stopped and the same model and flags run in this process (``tidal.LLM``, the server's scheduler
 and executor without the mesh), giving the forward-level figures: each length's prefill (a one-token
 generation, warm), the continuation's (after an untimed one of another 77 tokens), the C-prompt burst's prefill,
-and a decode step at batch C (the mean of 32 steps once all C decode). Ratios: cold first text over (prefill +
+a decode step at batch C (the mean of 32 steps once all C decode), and the two batches a burst takes when its first
+prompt goes alone (``first_then_rest_s``: that prompt's forward, then the batch of its first decode and the other
+prompts the prefill budget takes). Ratios: cold first text over (prefill +
 one batch-1 step), the continuation's over its forward, a burst's median first text over its prefill, burst decode
 tok/s over C / step(C), burst wall time over (burst prefill + ``--burst-tokens`` steps at batch C).
 Writes ``DIR/bench_serving.json``.
@@ -171,6 +173,32 @@ def decode_step(llm: LLM, prompts: Prompts, batch: int, prompt_tokens: int, devi
     return seconds
 
 
+def first_then_rest(llm: LLM, prompts: Prompts, c: int, prompt_tokens: int, device: str) -> tuple[float, float]:
+    """Seconds of the two batches a burst of ``c`` prompts most often takes when its prompts arrive one by one: the
+    first prompt's forward alone, then the next batch (its first decode with the other prompts, as far as the
+    prefill budget takes them), the server's scheduler and executor stepped in this process."""
+    sched = llm.scheduler
+
+    def add(i: int) -> None:
+        sched.add_request(GenerateReq(rid=f"split-{c}-{i}", prompt_ids=prompts(prompt_tokens), max_tokens=4,
+                                      sampling=SamplingParams(), ignore_eos=True))
+
+    def step() -> None:
+        b = sched.schedule()
+        out = llm.runner.execute(b)
+        sched.process_result(b, out.token_ids, out.logprobs, out.prompt_logprobs)
+
+    add(0)
+    alone = timed(device, step)
+    for i in range(1, c):
+        add(i)
+    rest = timed(device, step)
+    for rid in list(sched.requests):
+        sched.abort(rid)
+    llm._events.clear()
+    return alone, rest
+
+
 def forward_level(path: str, ns, llm_args: dict, prompts: Prompts) -> dict:
     llm = LLM(path, device=ns.device, dtype="auto", load_format="random", **llm_args)
 
@@ -184,11 +212,14 @@ def forward_level(path: str, ns, llm_args: dict, prompts: Prompts) -> dict:
         out["prefill_s"][n] = prefill(longest)
     prefill(longest + prompts(CONTINUATION))  # untimed: the continuation's shape compiled (and captured)
     out["continuation_s"] = prefill(longest + prompts(CONTINUATION))
-    out["burst_prefill_s"], out["step_s"] = {}, {}
+    out["burst_prefill_s"], out["step_s"], out["first_then_rest_s"] = {}, {}, {}
     for c in sorted(set(ns.concurrency) | {1}):
         prefill(*[prompts(ns.burst_prompt) for _ in range(c)])
         out["burst_prefill_s"][c] = prefill(*[prompts(ns.burst_prompt) for _ in range(c)])
         out["step_s"][c] = decode_step(llm, prompts, c, ns.burst_prompt, ns.device)
+        if c > 1:
+            first_then_rest(llm, prompts, c, ns.burst_prompt, ns.device)  # untimed: the mixed shapes compiled
+            out["first_then_rest_s"][c] = first_then_rest(llm, prompts, c, ns.burst_prompt, ns.device)
     return out
 
 
@@ -239,11 +270,14 @@ def main() -> None:
               f"{ratios['cold_over_forward'][n]:.2f}")
     print(f"continuation: {served['continuation']['first_s']:.3f} s against {forward['continuation_s']:.3f} s "
           f"({ratios['continuation_over_forward']:.2f})")
-    print("C     first text p50 s   burst prefill s   ratio   decode / forward   wall / (prefill + steps)   step ms")
+    print("C     first text p50 s   burst prefill s   ratio   first alone + rest s   decode / forward   "
+          "wall / (prefill + steps)   step ms")
     for c in ns.concurrency:
         r = ratios["bursts"][c]
+        split = forward["first_then_rest_s"].get(c)
+        split_text = f"{split[0]:.3f} + {split[1]:.3f}" if split else "-"
         print(f"{c:<5d} {r['first_text_p50_s']:16.3f}   {forward['burst_prefill_s'][c]:15.3f}   "
-              f"{r['first_over_prefill']:5.2f}   {r['decode_over_forward']:16.2f}   "
+              f"{r['first_over_prefill']:5.2f}   {split_text:>20s}   {r['decode_over_forward']:16.2f}   "
               f"{r['wall_over_forward']:24.2f}   {forward['step_s'][c] * 1e3:7.2f}")
 
 

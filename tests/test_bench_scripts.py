@@ -334,6 +334,8 @@ def test_bench_serving_runs_on_cpu(tmp_path):
         assert ratios["bursts"][c]["wall_over_forward"] > 0 and ratios["bursts"][c]["decode_over_forward"] > 0
         assert ratios["bursts"][c]["first_over_prefill"] == (served["bursts"][c]["first_text_p50_s"]
                                                            / forward["burst_prefill_s"][c])
+    alone, rest = forward["first_then_rest_s"]["4"]
+    assert alone > 0 and rest > 0 and "1" not in forward["first_then_rest_s"]
     assert all(r > 0 for r in ratios["cold_over_forward"].values()) and ratios["first_over_warm"] > 0
     first = served["first_burst_after_ready"]
     assert first["concurrency"] == 4 and first["first_s"] > 0 and ratios["first_burst_over_second"] > 0
