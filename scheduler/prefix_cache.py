@@ -290,13 +290,18 @@ class PrefixCache:
         """Publish the state in ``slot`` as the checkpoint at the end of the pages ``page_keys``;
         ``False`` means the caller keeps (and must free) the slot."""
         key = page_keys[-1]
-        if key in self.checkpoints or any(k not in self.page_of for k in page_keys):
+        if key in self.checkpoints or not all(map(self.page_of.__contains__, page_keys)):
             return False
         self.checkpoints[key] = Checkpoint(key=key, position=len(page_keys) * self.page_size, slot=slot,
                                            page_keys=list(page_keys))
         self.missing[key] = 0
+        standing = self.standing
         for page_key in page_keys:
-            self.standing.setdefault(page_key, set()).add(key)
+            on = standing.get(page_key)
+            if on is None:
+                standing[page_key] = {key}
+            else:
+                on.add(key)
         self.idle_checkpoints[key] = None
         self.counters["checkpoints_written"] += 1
         return True
