@@ -1,7 +1,9 @@
 """One streamed ``/v1/completions`` request: its timings as the seeds' protocol measures them, and its checks.
 
 Timing starts on a monotonic clock just before the HTTP request is sent. First text is the first SSE
-event carrying a non-empty ``choices[].text``; the full-response time runs to the end of the stream.
+event carrying a non-empty ``choices[].text``; the full-response time runs to the end of the stream. Request
+bodies are encoded with msgspec, inside the timed span: a 32K-id prompt in well under a millisecond, where the
+standard library's ``json`` takes a few.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 
 # The finish reasons a completion may end with (OpenAI's list for the completions endpoint).
 VALID_FINISH = ("stop", "length", "content_filter")
@@ -58,6 +61,14 @@ async def list_models(session: aiohttp.ClientSession, base: str, required: bool 
     return data
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
+def post_json(session: aiohttp.ClientSession, url: str, body: dict[str, Any]):
+    """``session.post(url, json=body)``, the body encoded by msgspec."""
+    return session.post(url, data=msgspec.json.encode(body), headers=_JSON)
+
+
 def request_body(model: str, prompt: str | list[int], max_tokens: int, logprobs: bool) -> dict[str, Any]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
@@ -81,7 +92,7 @@ async def stream_completion(session: aiohttp.ClientSession, base: str, body: dic
                            "usage": None, "logprob_tokens": 0 if body.get("logprobs") is not None else None}
     t0 = time.monotonic()
     try:
-        async with session.post(base + "/v1/completions", json=body) as r:
+        async with post_json(session, base + "/v1/completions", body) as r:
             out["status"] = r.status
             if r.status != 200:
                 out["error"] = _error_text(r.status, await r.read())
@@ -206,7 +217,7 @@ async def stream_events(http: aiohttp.ClientSession, url: str, prompt: list[int]
     (``time.monotonic``) of each SSE event with text is appended to ``events`` as it comes, so a cancelled
     stream keeps what it saw; ``info`` gets the response ``id`` and the final ``usage``."""
     body = request_body(model, prompt, max_tokens, logprobs=False)
-    async with http.post(url + "/v1/completions", json=body) as r:
+    async with post_json(http, url + "/v1/completions", body) as r:
         if r.status != 200:
             raise EndpointError(f"{url}: {_error_text(r.status, await r.read())}")
         async for raw in r.content:
