@@ -195,18 +195,25 @@ def test_attention_only_model_hits_at_page_boundaries(tmp_path, device):
     assert plain.generate([prompt + [7, 8, 9]], max_tokens=8, ignore_eos=True)[0] == hit
 
 
+def _two_checkpointed(older: list[int], newer: list[int]):
+    """A cache of 8 pages and 2 checkpoint slots holding two sequences of two pages each, each with a checkpoint at
+    its end (``older``'s written first); per sequence its pages, chain hashes and slot."""
+    cache, counters = _cache(pages=8, slots=2)
+    held = []
+    for tokens in (older, newer):
+        pages, keys = cache.alloc_pages(2), []
+        cache.insert_pages(pages, keys, tokens)
+        slot = cache.alloc_checkpoint_slot()
+        assert cache.insert_checkpoint(keys, slot)
+        held.append((pages, keys, slot))
+    return cache, counters, held
+
+
 def test_unreachable_checkpoints_give_their_slots_first():
     """With every slot taken, a new checkpoint slot comes from an idle checkpoint one of whose pages was evicted,
     before a less recently used one still whole; one whose evicted pages are cached again is whole again."""
-    cache, counters = _cache(pages=8, slots=2)
     a, b = list(range(100, 108)), list(range(200, 208))
-    pa, pb = cache.alloc_pages(2), cache.alloc_pages(2)
-    ka: list[bytes] = []
-    kb: list[bytes] = []
-    cache.insert_pages(pa, ka, a)
-    cache.insert_pages(pb, kb, b)
-    slot_b, slot_a = cache.alloc_checkpoint_slot(), cache.alloc_checkpoint_slot()
-    assert cache.insert_checkpoint(kb, slot_b) and cache.insert_checkpoint(ka, slot_a)  # b's the older
+    cache, counters, ((pb, kb, _), (pa, _, slot_a)) = _two_checkpointed(b, a)  # b's checkpoint the older
     cache.release_pages(pa)  # a's pages the least recently used
     cache.release_pages(pb)
     assert cache.alloc_pages(5) is not None  # 4 free, then a's deepest page evicted
@@ -214,16 +221,8 @@ def test_unreachable_checkpoints_give_their_slots_first():
     assert cache.alloc_checkpoint_slot() == slot_a and counters["checkpoints_evicted"] == 1
     assert cache.match(b + [0]).tokens == 8 and kb[-1] in cache.checkpoints
 
-    cache, counters = _cache(pages=8, slots=2)
     c, d = list(range(300, 308)), list(range(400, 408))
-    pc, pd = cache.alloc_pages(2), cache.alloc_pages(2)
-    kc: list[bytes] = []
-    kd: list[bytes] = []
-    cache.insert_pages(pc, kc, c)
-    cache.insert_pages(pd, kd, d)
-    sc, sd = cache.alloc_checkpoint_slot(), cache.alloc_checkpoint_slot()
-    cache.insert_checkpoint(kc, sc)
-    cache.insert_checkpoint(kd, sd)
+    cache, counters, ((pc, _, sc), (pd, kd, _)) = _two_checkpointed(c, d)
     cache.release_pages(pd)  # d's pages the least recently used
     cache.release_pages(pc)
     held = cache.alloc_pages(6)  # 4 free, then both of d's pages evicted
