@@ -156,46 +156,44 @@ def decode_step(llm: LLM, prompts: Prompts, batch: int, prompt_tokens: int, devi
     for i in range(batch):
         sched.add_request(GenerateReq(rid=f"step-{batch}-{i}", prompt_ids=prompts(prompt_tokens),
                                       max_tokens=DECODE_STEPS * 4, sampling=SamplingParams(), ignore_eos=True))
-
-    def step() -> None:
-        b = sched.schedule()
-        out = llm.runner.execute(b)
-        sched.process_result(b, out.token_ids, out.logprobs, out.prompt_logprobs)
-
     while not all(r.prefill_done and r.output for r in sched.running.values()) or len(sched.running) < batch:
-        step()
+        step(llm)
     for _ in range(4):
-        step()
-    seconds = timed(device, lambda: [step() for _ in range(DECODE_STEPS)]) / DECODE_STEPS
-    for rid in list(sched.requests):
-        sched.abort(rid)
-    llm._events.clear()
+        step(llm)
+    seconds = timed(device, lambda: [step(llm) for _ in range(DECODE_STEPS)]) / DECODE_STEPS
+    end_all(llm)
     return seconds
+
+
+def step(llm: LLM) -> None:
+    """One batch of the server's scheduler, run by its executor, in this process."""
+    sched = llm.scheduler
+    b = sched.schedule()
+    out = llm.runner.execute(b)
+    sched.process_result(b, out.token_ids, out.logprobs, out.prompt_logprobs)
+
+
+def end_all(llm: LLM) -> None:
+    """Abort every request the scheduler holds and drop its events."""
+    for rid in list(llm.scheduler.requests):
+        llm.scheduler.abort(rid)
+    llm._events.clear()
 
 
 def first_then_rest(llm: LLM, prompts: Prompts, c: int, prompt_tokens: int, device: str) -> tuple[float, float]:
     """Seconds of the two batches a burst of ``c`` prompts most often takes when its prompts arrive one by one: the
     first prompt's forward alone, then the next batch (its first decode with the other prompts, as far as the
     prefill budget takes them), the server's scheduler and executor stepped in this process."""
-    sched = llm.scheduler
-
     def add(i: int) -> None:
-        sched.add_request(GenerateReq(rid=f"split-{c}-{i}", prompt_ids=prompts(prompt_tokens), max_tokens=4,
-                                      sampling=SamplingParams(), ignore_eos=True))
-
-    def step() -> None:
-        b = sched.schedule()
-        out = llm.runner.execute(b)
-        sched.process_result(b, out.token_ids, out.logprobs, out.prompt_logprobs)
+        llm.scheduler.add_request(GenerateReq(rid=f"split-{c}-{i}", prompt_ids=prompts(prompt_tokens), max_tokens=4,
+                                              sampling=SamplingParams(), ignore_eos=True))
 
     add(0)
-    alone = timed(device, step)
+    alone = timed(device, lambda: step(llm))
     for i in range(1, c):
         add(i)
-    rest = timed(device, step)
-    for rid in list(sched.requests):
-        sched.abort(rid)
-    llm._events.clear()
+    rest = timed(device, lambda: step(llm))
+    end_all(llm)
     return alone, rest
 
 
@@ -252,9 +250,9 @@ def main() -> None:
               "first_over_warm": served["first_after_ready"]["first_over_warm"],
               "first_burst_over_second": served["first_burst_after_ready"]["first_over_second"], "bursts": {}}
     for c in ns.concurrency:
-        b, step = served["bursts"][c], forward["step_s"][c]
-        floor = forward["burst_prefill_s"][c] + ns.burst_tokens * step
-        ratios["bursts"][c] = {"decode_over_forward": (b["decode_events_per_s"] or 0) / (c / step),
+        b, step_c = served["bursts"][c], forward["step_s"][c]
+        floor = forward["burst_prefill_s"][c] + ns.burst_tokens * step_c
+        ratios["bursts"][c] = {"decode_over_forward": (b["decode_events_per_s"] or 0) / (c / step_c),
                                "wall_over_forward": b["wall_s"] / floor,
                                "first_text_p50_s": b["first_text_p50_s"],
                                "first_over_prefill": b["first_text_p50_s"] / forward["burst_prefill_s"][c]}
