@@ -1,6 +1,6 @@
 """Prompt forwards from CUDA graphs against the same forwards run eagerly, in one process.
 
-    python benchmarks/bench_prefill_graphs.py --out DIR [--preset bench] [--lengths 64,256,1000,1024,2000,4096]
+    python benchmarks/bench_prefill_graphs.py --out DIR [--preset bench] [--lengths 64,256,1000,1024,2000,4096,8192]
                                               [--context 32000] [--repeats 5] [--device cuda] [--profile N]
                                               [-- tidal serve flags]
 
@@ -28,6 +28,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,7 +36,9 @@ from torch.profiler import ProfilerActivity, profile
 from tidal import LLM
 from tidal.bench.server import llm_kwargs, serve_args, split_serve_flags
 from tidal.bench.timing import gpu_busy, host_seconds
+from tidal.executor.prefill_graph import rows_of
 from tidal.executor.presets import write_checkpoint
+from tidal.executor.runner import prompt_graph_tokens
 
 CONTINUATION = 77
 
@@ -45,7 +48,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="bench")
-    ap.add_argument("--lengths", default="64,256,1000,1024,2000,4096", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--lengths", default="64,256,1000,1024,2000,4096,8192",
+                    type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda")
@@ -57,18 +61,27 @@ def main() -> None:
     longest = max(max(ns.lengths), ns.context + CONTINUATION)
     flags = ["--load-format", "random", "--max-model-len", str(longest + 64), "--kv-pool-tokens",
              str(2 * longest + 4096), *extra]
-    llm = LLM(path, device=ns.device, dtype="auto", load_format="random", **llm_kwargs(serve_args(path, flags)))
+    args = serve_args(path, flags)
+    llm = LLM(path, device=ns.device, dtype="auto", load_format="random", **llm_kwargs(args))
     runner = llm.runner
     graphs = runner.prefill_graphs
     if graphs is None and device.type == "cpu":
-        runner.use_prefill_graphs(runner.graphs.max_pages if runner.graphs else 4096, capture=False)
+        runner.use_prefill_graphs(runner.graphs.max_pages if runner.graphs else 4096, capture=False,
+                                  max_tokens=prompt_graph_tokens(args))
         graphs = runner.prefill_graphs
     if graphs is None:
         raise SystemExit("this runner has no prompt graphs (--disable-prefill-graph, --tp, offload, disk PLE or a "
                          "torch GDN recurrence)")
+    graph_bytes = 0
     if graphs.capture:
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
         for key in graphs.shapes():
             graphs.prepare(key)
+        torch.cuda.empty_cache()
+        graph_bytes = torch.cuda.memory_reserved(device) - before
+        print(f"{graphs.captures} prompt graphs of up to {rows_of(graphs.sizes[-1])} rows hold "
+              f"{graph_bytes / 2**30:.2f} GiB of device memory", flush=True)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.config.vocab_size
 
@@ -107,11 +120,61 @@ def main() -> None:
         for (name, make), row in zip(cases, rows, strict=True):
             row["profile"] = {arm: profiled(arm, make, timed, device, ns.profile, name)
                               for arm in ("graphs", "eager")}
+            row["host_split"] = {arm: host_split(llm, lambda arm=arm, make=make: timed(arm, make()), name, arm)
+                                 for arm in ("graphs", "eager")}
     result = {"preset": ns.preset, "device": ns.device,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "flags": flags, "captured": graphs.captures, "shapes": len(graphs.shapes()), "rows": rows}
+              "flags": flags, "captured": graphs.captures, "shapes": len(graphs.shapes()),
+              "largest_rows": rows_of(graphs.sizes[-1]), "graph_bytes": graph_bytes, "rows": rows}
     with open(os.path.join(ns.out, "bench_prefill_graphs.json"), "w") as f:
         json.dump(result, f, indent=1)
+
+
+def host_split(llm: LLM, run, name: str, arm: str) -> dict:
+    """The host's wall time of one sample, unprofiled, split among the steps of a generation (each step's own
+    time, the steps it calls excluded): scheduling, the runner's preparation, the forward's launch (a graph's
+    upload and replay, or an eager forward), sampling, the reads that wait for the device, and the result's
+    bookkeeping. Wraps the methods for one sample and puts them back."""
+    runner, scheduler = llm.runner, llm.scheduler
+    steps = [("schedule", scheduler, "schedule"), ("prepare", runner, "_prepare"),
+             ("forward", runner, "_forward_batch"), ("forward", runner.model, "forward"),
+             ("sample", runner, "_sample"), ("process_result", scheduler, "process_result")]
+    if runner.prefill_graphs is not None:
+        steps.append(("forward", runner.prefill_graphs, "run"))
+    spent: dict[str, float] = {}
+    stack: list[list[float]] = []
+
+    def wrap(label, fn):
+        def timed_call(*a, **k):
+            stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*a, **k)
+            finally:
+                t0, inner = stack.pop()
+                took = time.perf_counter() - t0
+                spent[label] = spent.get(label, 0.0) + took - inner
+                if stack:
+                    stack[-1][1] += took
+        return timed_call
+
+    saved = [(obj, attr, obj.__dict__.get(attr)) for _, obj, attr in steps]
+    tolist = torch.Tensor.tolist
+    try:
+        for label, obj, attr in steps:
+            setattr(obj, attr, wrap(label, getattr(obj, attr)))
+        torch.Tensor.tolist = wrap("device wait (tolist)", tolist)
+        wall, _ = run()
+    finally:
+        torch.Tensor.tolist = tolist
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+    spent["other"] = wall - sum(spent.values())
+    print(f"{name} [{arm}] host split, wall {wall * 1e3:.2f} ms: "
+          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in spent.items()), flush=True)
+    return {"wall_s": wall, "steps_s": spent}
 
 
 def profiled(arm: str, make, timed, device: torch.device, top: int, name: str) -> dict:

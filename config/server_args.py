@@ -79,7 +79,9 @@ class ServerArgs:
     layer_major_slice: int = 4  # (layer, internal chunk) pairs per scheduling turn; 0: the whole prefill in one
     disable_cuda_graph: bool = False
     disable_prefill_graph: bool = False
+    prefill_graph_max_tokens: int = 8192  # the longest prompt chunk a prompt graph takes (sizes up to 8,256)
     disable_overlap_schedule: bool = False
+    batch_wait_ms: float = 10.0  # how long a new prompt may wait for requests the frontend is still tokenizing
     # Warm-up before ready (compile kernels, capture decode graphs) and where compiled kernels persist.
     skip_warmup: bool = False
     compile_cache: str | None = None  # None: $XDG_CACHE_HOME/tidal/compile
@@ -175,6 +177,9 @@ class ServerArgs:
              f"must be >= 0, got {self.kv_reserve_tokens}")
         need(self.ple_backend in ("gpu", "pinned", "disk"), "ple_backend",
              f"must be gpu, pinned or disk, got {self.ple_backend!r}")
+        need(2 <= self.prefill_graph_max_tokens <= 8256, "prefill_graph_max_tokens",
+             f"must be between 2 and 8256, got {self.prefill_graph_max_tokens}")
+        need(0 <= self.batch_wait_ms <= 1000, "batch_wait_ms", f"must be between 0 and 1000, got {self.batch_wait_ms}")
         need(self.layer_major_slice >= 0, "layer_major_slice", f"must be >= 0, got {self.layer_major_slice}")
         need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
              f"must be >= 1, got {self.layer_major_max_tokens}")
@@ -334,12 +339,21 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="keep one batch in flight: schedule the next batch only after the executor answers the "
                         "last (default: the next batch is scheduled and sent while the executor runs one)")
+    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_ms,
+                   help="how long a new prompt may wait, while the frontend still tokenizes other requests, so that "
+                        "prompts arriving together share one forward (until they fill --max-prefill-length); "
+                        "0: schedule each as it arrives")
     p.add_argument("--disable-cuda-graph", action="store_true",
                    help="run every forward eagerly instead of replaying CUDA graphs (graphs are used on a GPU "
                         "with resident experts, --ple-backend gpu or pinned and --tp 1)")
     p.add_argument("--disable-prefill-graph", action="store_true",
                    help="run prompt forwards eagerly, decode steps still from CUDA graphs (by default a prompt "
-                        "chunk of up to 2,112 tokens alone in its batch replays a graph of its padded size)")
+                        "chunk of up to --prefill-graph-max-tokens alone in its batch replays a graph of its "
+                        "padded size)")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=d.prefill_graph_max_tokens,
+                   help="the longest prompt chunk a prompt graph takes (2 to 8,256; capped by --max-prefill-length). "
+                        "The warm-up captures one graph per padded size up to it, and their shared memory pool holds "
+                        "the activations of the largest")
     p.add_argument("--skip-warmup", action="store_true",
                    help="report ready without the warm-up forwards that compile every kernel variant and capture "
                         "every CUDA graph first (they then happen on the first requests that meet them)")

@@ -55,12 +55,23 @@ from .upload import Ref
 logger = logging.getLogger(__name__)
 
 # M of the captured shapes: prompts of up to 64 M + 64 rows (M = 0: up to 64 without an internal checkpoint).
-SIZES = (0, 1, 2, 4, 8, 16, 32)
+SIZES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def rows_of(m: int) -> int:
     """Rows of a captured forward of size ``m``."""
     return GDN_CHUNK * m + GDN_CHUNK + 2
+
+
+def sizes_for(max_tokens: int) -> tuple[int, ...]:
+    """The sizes of :data:`SIZES` that prompt chunks of up to ``max_tokens`` rows take: each up to the first
+    that holds ``max_tokens``."""
+    out = []
+    for m in SIZES:
+        out.append(m)
+        if GDN_CHUNK * m + GDN_CHUNK >= max_tokens:
+            break
+    return tuple(out)
 
 
 def signature(plan: ForwardPlan) -> tuple:

@@ -28,7 +28,7 @@ from .memory import KVPool, StatePool
 from .models import Qwen4ExpForCausalLM
 from .offload.experts import ExpertStore
 from .offload.ple_table import PinnedTable, RowsAhead
-from .prefill_graph import PrefillGraphs
+from .prefill_graph import PrefillGraphs, sizes_for
 from .sampler import Sampler, TokenCounts
 from .structured import GrammarStates
 from .upload import device_ints
@@ -114,12 +114,13 @@ class ModelRunner:
                                    pad_slot=self.states.num_slots - 1, pad_page=self.kv.num_pages - 1,
                                    capture=capture)
 
-    def use_prefill_graphs(self, max_pages: int, capture: bool) -> None:
-        """Run prompt chunks alone in their batch from CUDA graphs of padded sizes (``capture``) or, without it,
-        as the same padded forward run eagerly (see :mod:`.prefill_graph`); padding rows as the decode graphs'."""
+    def use_prefill_graphs(self, max_pages: int, capture: bool, max_tokens: int) -> None:
+        """Run prompt chunks of up to about ``max_tokens`` rows alone in their batch from CUDA graphs of padded
+        sizes (``capture``) or, without it, as the same padded forward run eagerly (see :mod:`.prefill_graph`);
+        padding rows as the decode graphs'."""
         self.prefill_graphs = PrefillGraphs(self.model, self.config, self.kv, self.states, self.device, max_pages,
                                             pad_slot=self.states.num_slots - 1, pad_page=self.kv.num_pages - 1,
-                                            capture=capture)
+                                            capture=capture, sizes=sizes_for(max_tokens))
 
     def stats(self) -> dict[str, list[int]]:
         """Cumulative counters for /metrics: expert streaming per MoE layer, TP collectives."""
@@ -610,10 +611,16 @@ def build_runner(args, config: ModelConfig, sizes, model_path: str, device: str 
         max_pages = min(sizes.num_pages, -(-(sizes.max_model_len + 1) // sizes.page_size))
         runner.use_graphs(min(args.max_running_requests, sizes.request_slots), max_pages, capture=True)
         if not args.disable_prefill_graph and gdn_prefill_on_device(dtype, device):
-            runner.use_prefill_graphs(max_pages, capture=True)
+            runner.use_prefill_graphs(max_pages, capture=True, max_tokens=prompt_graph_tokens(args))
     logger.info("model loaded in %.1f s, pools and tables set up in %.1f s", load_s,
                 time.perf_counter() - pools_began)
     return runner
+
+
+def prompt_graph_tokens(args) -> int:
+    """The longest prompt chunk a prompt graph takes: ``--prefill-graph-max-tokens``, at most the longest chunk
+    the scheduler sends (``--max-prefill-length``)."""
+    return min(args.prefill_graph_max_tokens, args.max_prefill_length or args.prefill_graph_max_tokens)
 
 
 def decode_graphs(args, device: str, offloaded: bool, ranks: int) -> bool:

@@ -397,16 +397,22 @@ def test_profile_layer_major_streams_nvfp4_bytes(tmp_path):
 
 def test_bench_prefill_graphs_runs_on_cpu(tmp_path):
     """Both arms of every case, and which cases the graphs' path took: prompts up to the largest captured size
-    (2,112 rows) and the continuation; not a longer one."""
+    (2,114 rows under --prefill-graph-max-tokens 2112) and the continuation; not a longer one."""
     out = tmp_path / "out"
     run_script("bench_prefill_graphs.py", "--out", str(out), "--preset", "tiny", "--lengths", "37,130,2200",
-               "--context", "300", "--repeats", "1", "--device", "cpu", "--profile", "3")
+               "--context", "300", "--repeats", "1", "--device", "cpu", "--profile", "3", "--",
+               "--prefill-graph-max-tokens", "2112")
     result = json.loads((out / "bench_prefill_graphs.json").read_text())
+    assert result["largest_rows"] == 2114 and result["graph_bytes"] == 0
     rows = {r["case"]: r for r in result["rows"]}
     assert list(rows) == ["cold 37", "cold 130", "cold 2200", "+77 after 300"]
     assert [rows[c]["replayed"] for c in rows] == [True, True, False, True]
     for r in rows.values():
         assert len(r["samples"]["graphs"]) == len(r["samples"]["eager"]) == 1
         assert r["graphs_over_eager"] == r["graphs_s"] / r["eager_s"] > 0
+        for arm in ("graphs", "eager"):  # the host's split of a sample adds up to its wall time
+            split = r["host_split"][arm]
+            assert split["steps_s"]["forward"] > 0 and split["steps_s"]["schedule"] > 0
+            assert sum(split["steps_s"].values()) == pytest.approx(split["wall_s"])
         for arm in ("graphs", "eager"):  # a CPU run records no device events
             assert r["profile"][arm]["wall_s"] > 0 and r["profile"][arm]["device_events"] == 0

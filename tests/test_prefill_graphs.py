@@ -14,7 +14,7 @@ import torch
 
 from tidal import LLM
 from tidal.executor.forward_batch import GDN_CHUNK
-from tidal.executor.prefill_graph import PrefillGraphs, rows_of, signature
+from tidal.executor.prefill_graph import SIZES, PrefillGraphs, rows_of, signature, sizes_for
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -111,9 +111,39 @@ def test_one_shape_one_signature(tiny_checkpoint):
         assert plan.groups[0]["num_rows"] == rows_of(key[0]) and plan.qsa[1] == key[1]
 
 
+def test_sizes_cover_the_longest_chunk():
+    """The sizes a limit takes hold every chunk up to it (the last size holds the limit itself, the one before it
+    does not), and the server flag is bounded by the largest size."""
+    from tidal.config.server_args import ArgsError, ServerArgs
+    from tidal.executor.runner import prompt_graph_tokens
+
+    for limit in (2, 64, 65, 128, 129, 2112, 2113, 4160, 4161, 8192, 8256):
+        sizes = sizes_for(limit)
+        assert sizes == SIZES[:len(sizes)] and sizes[0] == 0
+        assert GDN_CHUNK * sizes[-1] + GDN_CHUNK >= limit
+        assert len(sizes) == 1 or GDN_CHUNK * sizes[-2] + GDN_CHUNK < limit
+    assert sizes_for(8192)[-1] == 128 and sizes_for(2112)[-1] == 32
+    assert prompt_graph_tokens(ServerArgs()) == 8192
+    assert prompt_graph_tokens(ServerArgs(max_prefill_length=512)) == 512
+    assert prompt_graph_tokens(ServerArgs(max_prefill_length=None, prefill_graph_max_tokens=3000)) == 3000
+    for bad in (1, 8257):
+        with pytest.raises(ArgsError, match="--prefill-graph-max-tokens: must be between 2 and 8256"):
+            ServerArgs(prefill_graph_max_tokens=bad)
+
+
+def test_long_prompt_forwards_equal_eager(tiny_checkpoint):
+    """Prompts past 4,160 rows take the largest size (8,258 padded rows): a cold prompt and a continuation of it."""
+    base = ids(4200, 11)
+    prompts = [base, base + ids(3000, 12)]
+    want = LLM(tiny_checkpoint, max_prefill_length=8192).generate(prompts, max_tokens=4, ignore_eos=True)
+    llm = graphed(LLM(tiny_checkpoint, max_prefill_length=8192), max_pages=1024, sizes=sizes_for(8192))
+    assert [llm.generate([p], max_tokens=4, ignore_eos=True)[0] for p in prompts] == want
+    assert llm.runner.prefill_graphs.replays == 2
+
+
 def test_split_layout():
     """Wave 0 holds 64 M + 1 rows in M + 1 chunks and wave 1 65 rows in two, whatever the prompt's split."""
-    for m in (1, 2, 4):
+    for m in (1, 2, 4, 128):
         for e in range(1, GDN_CHUNK * m + 1):
             for tail in (1, 17, GDN_CHUNK):
                 head = GDN_CHUNK * m + 1 - e

@@ -16,13 +16,13 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(1000, 240000, (n,), generator=gen).tolist()
 
 
-LENGTHS = (2, 37, 64, 100, 128, 129, 700, 2000)
+LENGTHS = (2, 37, 64, 100, 128, 129, 700, 2000, 4000, 8192)
 
 
 @pytest.fixture(scope="module")
 def pair(tiny_checkpoint):
-    graphed = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16", max_prefill_length=4096)
-    eager = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16", max_prefill_length=4096, disable_prefill_graph=True)
+    graphed = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16", max_prefill_length=8192)
+    eager = LLM(tiny_checkpoint, device="cuda", dtype="bfloat16", max_prefill_length=8192, disable_prefill_graph=True)
     assert graphed.runner.prefill_graphs is not None and graphed.runner.prefill_graphs.capture
     assert eager.runner.prefill_graphs is None
     return graphed, eager
