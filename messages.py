@@ -114,6 +114,12 @@ class AbortReq(Struct, tag="AbortReq", omit_defaults=True):
     reason: AbortReason = "abort"
 
 
+class Tokenizing(Struct, tag="Tokenizing"):
+    """The frontend's count of request bodies it has read and not yet turned into requests (or errors), sent
+    when it changes; a body's requests reach the scheduler before the count that drops it."""
+    count: int
+
+
 # ---- scheduler -> detokenizer / tap -----------------------------------------------------------
 class Plan(Struct, omit_defaults=True):
     mode: PlanMode
@@ -317,7 +323,7 @@ class ExecutorFailed(Struct, tag="ExecutorFailed"):
     error: str
 
 
-SchedulerInbound = GenerateReq | AbortReq | BatchResult | ExecutorFailed | Shutdown
+SchedulerInbound = GenerateReq | AbortReq | Tokenizing | BatchResult | ExecutorFailed | Shutdown
 ExecutorInbound = Batch | Shutdown
 DetokenizerInbound = DetokenizeInit | Detokenize | PromptAdmitted | StepOutput | SchedulerStats | Shutdown
 FrontendInbound = TextDelta | SchedulerStats | PromptAdmitted | MeshReady | Shutdown

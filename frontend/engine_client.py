@@ -15,6 +15,7 @@ from ..messages import (
     SchedulerStats,
     Shutdown,
     TextDelta,
+    Tokenizing,
 )
 from ..runtime.ipc import AsyncPull, AsyncPush
 from .metrics import Metrics
@@ -29,6 +30,7 @@ class EngineClient:
         self.inbound: AsyncPull = AsyncPull(self.ctx, frontend_addr, FrontendInbound, bind=True)
         self.metrics = metrics
         self.queues: dict[str, asyncio.Queue] = {}
+        self.bodies = 0  # request bodies read and not yet sent on as requests (or refused)
         self.ready = False
         self.failure: str | None = None
         self.on_drained = None  # called once a drain is over
@@ -90,6 +92,12 @@ class EngineClient:
         self.queues[req.rid] = queue
         await self.to_scheduler.send(req)
         return queue
+
+    async def tokenizing(self, change: int) -> None:
+        """Count a request body in (+1: read, to be parsed) or out (-1: its requests sent, or refused) and tell
+        the scheduler the count."""
+        self.bodies += change
+        await self.to_scheduler.send(Tokenizing(count=self.bodies))
 
     async def abort(self, rid: str) -> None:
         self.queues.pop(rid, None)

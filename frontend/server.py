@@ -208,6 +208,31 @@ class Frontend:
                                 f"(--max-running-requests + --max-queued-requests); retry shortly",
                            type_="service_unavailable", retry_after=1)
         raw = await self._read_body(request)
+        # The scheduler counts the bodies being tokenized: prompts that arrive together wait briefly for each other
+        # (--batch-wait-ms) and share one forward. A body's requests go out before the count drops.
+        await self.client.tokenizing(+1)
+        try:
+            parsed, choices = await self._submit(raw, chat, capacity)
+        finally:
+            await self.client.tokenizing(-1)
+        n = parsed.controls.get("n", 1)
+        try:
+            if parsed.stream:
+                return await self._stream(request, choices, parsed, arrival, n)
+            results = await asyncio.gather(*(self._collect(c, parsed, arrival) for c in choices))
+            return _json(self._merge(results, n))
+        finally:
+            for choice in choices:
+                if choice.finished:
+                    self.client.release(choice.rid)
+                else:  # client gone or handler failed: free everything the request holds
+                    self.metrics.finished("abort", None)
+                    logger.info("request rid=%s finish_reason=abort e2e_s=%.4f (the client went away)", choice.rid,
+                                time.monotonic() - arrival)
+                    asyncio.get_running_loop().create_task(self.client.abort(choice.rid))
+
+    async def _submit(self, raw: bytes, chat: bool, capacity: int) -> tuple[ParsedRequest, list[Choice]]:
+        """Parse a request body and send the scheduler its requests: one per prompt and choice."""
         # JSON parsing, validation, chat templates and tokenization run in a tokenizer worker process: a long
         # prompt must not stall every other stream and /health on the event loop.
         parsed = await self.parser.parse(raw, chat)
@@ -244,20 +269,7 @@ class Frontend:
                     after=None if i == 0 else base,
                     prompt_logprobs=prompt_lp if i == 0 or entries is None else -1, images=parsed.images))
                 choices.append(Choice(choice_rid, ids, queue, None if entries is None else (i == 0, entries)))
-        try:
-            if parsed.stream:
-                return await self._stream(request, choices, parsed, arrival, n)
-            results = await asyncio.gather(*(self._collect(c, parsed, arrival) for c in choices))
-            return _json(self._merge(results, n))
-        finally:
-            for choice in choices:
-                if choice.finished:
-                    self.client.release(choice.rid)
-                else:  # client gone or handler failed: free everything the request holds
-                    self.metrics.finished("abort", None)
-                    logger.info("request rid=%s finish_reason=abort e2e_s=%.4f (the client went away)", choice.rid,
-                                time.monotonic() - arrival)
-                    asyncio.get_running_loop().create_task(self.client.abort(choice.rid))
+        return parsed, choices
 
     @staticmethod
     def _merge(results: list[dict], n: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import zmq
@@ -21,6 +22,7 @@ from ..messages import (
     SchedulerInbound,
     Shutdown,
     StepOutput,
+    Tokenizing,
 )
 from ..runtime.faults import check
 from ..runtime.ipc import Pull, Push
@@ -70,6 +72,8 @@ class SchedulerLoop:
             self.scheduler.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.scheduler.abort(msg.rid, msg.reason)
+        elif isinstance(msg, Tokenizing):
+            self.scheduler.tokenizing = msg.count
         elif isinstance(msg, BatchResult):
             batch = self.in_flight
             if batch is None or batch.batch_id != msg.batch_id:
@@ -109,8 +113,10 @@ class SchedulerLoop:
             logger.error("%s", error)
             self.control.send(ExecutorFailed(rank=-1, error=error))
             self._executor_gone(error)
-        busy = self.scheduler.has_work()
-        timeout = 0 if (busy and self.in_flight is None) else 100
+        timeout = 100
+        if self.scheduler.has_work() and self.in_flight is None:
+            until = self.scheduler.hold_until()  # prompts wait for requests still being tokenized
+            timeout = 0 if until is None else max(1, math.ceil((until - time.monotonic()) * 1e3))
         first = self.inbound.recv(timeout_ms=timeout)
         msgs = ([first] if first is not None else []) + self.inbound.drain()
         for msg in msgs:

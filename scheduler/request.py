@@ -76,6 +76,7 @@ class Request:
     prompt_lp_sent: bool = False
     # Set when an abort arrives while the request's rows are inside an in-flight batch.
     abort_reason: AbortReason | None = None
+    arrived: float = 0.0  # time.monotonic() when the scheduler took it
 
     @classmethod
     def from_msg(cls, msg: GenerateReq, eos_ids: tuple[int, ...]) -> "Request":

@@ -9,7 +9,9 @@ offline ``LLM``.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -71,6 +73,7 @@ class Scheduler:
         self.running: OrderedDict[str, Request] = OrderedDict()
         self.requests: dict[str, Request] = {}
         self.batch_id = 0
+        self.tokenizing = 0  # request bodies the frontend is still turning into requests (its latest count)
         self._lm_last = False  # the latest batch was a turn of a layer-major prefill
         self._lm_drop = False  # a layer-major prefill the executor holds ended between its turns
 
@@ -87,6 +90,7 @@ class Scheduler:
         except AdmissionError as e:
             self._fail(req.rid, str(e), len(req.prompt))
             return
+        req.arrived = time.monotonic()
         self.requests[req.rid] = req
         self.waiting.append(req)
 
@@ -147,6 +151,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def hold_until(self) -> float | None:
+        """While the frontend still tokenizes request bodies, new prompts wait for them: up to
+        ``--batch-wait-ms`` after the first of them arrived, and while they do not fill a forward
+        (``--max-prefill-length``). The requests of a burst then share one prompt forward, instead of the first
+        few taking one and the rest the forward after it. The ``time.monotonic()`` the wait ends; None when no
+        prompt waits (decode steps never do)."""
+        wait = self.args.batch_wait_ms
+        if not self.tokenizing or not wait:
+            return None
+        budget = self.args.max_prefill_length or float("inf")
+        first, tokens = float("inf"), 0
+        for req in itertools.chain(self.waiting, self.running.values()):
+            if req.status is Status.RUNNING and (req.prefill_done or req.in_flight):
+                continue
+            if req.next_chunk or req.admitted and req.status is Status.WAITING:
+                return None  # a prompt under way, or one preempted, goes on at once
+            tokens += len(req.prompt)
+            if tokens >= budget:
+                return None
+            first = min(first, req.arrived)
+        until = first + wait / 1e3
+        return until if time.monotonic() < until else None
+
     def schedule(self, ahead_of: Batch | None = None) -> Batch | None:
         """The next batch. With ``ahead_of`` (the batch the executor is running, not answered yet) it
         is scheduled ahead: a request whose segment there samples also decodes in this batch, on the
@@ -180,7 +207,7 @@ class Scheduler:
             return self._batch(segments) if segments else None
         budget = self.args.max_prefill_length or float("inf")
         used = 0
-        for req in self.running.values():
+        for req in () if self.hold_until() is not None else self.running.values():
             if req.prefill_done or req.in_flight:
                 continue
             start, end = req.chunks[req.next_chunk]

@@ -171,3 +171,47 @@ def test_request_bodies_parse_as_json_does():
             assert "\\ud" in raw.decode().lower(), raw[:60]
             continue
         assert got == want, raw[:80]
+
+
+def test_the_scheduler_hears_of_bodies_in_tokenization(tiny_checkpoint, tmp_path):
+    """Each body read counts one up before its parse and down after its requests went out (or it was refused),
+    so the scheduler sees every request of a body before the count that drops it."""
+    from tidal.messages import GenerateReq, Tokenizing
+
+    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
+    frontend = Frontend(args, tiny_checkpoint)
+    frontend.load()
+    sent = []
+
+    class Recorder:
+        async def send(self, msg):
+            sent.append(msg)
+
+    frontend.client.to_scheduler = Recorder()
+
+    async def go():
+        frontend.client.start()
+        frontend.client.ready = True
+        async with TestClient(TestServer(frontend.app())) as client:
+            async def engine():
+                while len(frontend.client.queues) < 2:
+                    await asyncio.sleep(0.01)
+                for rid, queue in frontend.client.queues.items():
+                    queue.put_nowait(TextDelta(rid=rid, text="ok", token_ids=[5], finished=True,
+                                               finish_reason="length", usage=Usage(prompt_tokens=1,
+                                                                                   completion_tokens=1)))
+
+            answer = asyncio.create_task(engine())
+            ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "n": 2})
+            assert ok.status == 200
+            await answer
+            bad = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, True], "max_tokens": 1})
+            assert bad.status == 400
+
+    asyncio.run(go())
+    frontend.parser.close()
+    kinds = [(type(m).__name__, m.count if isinstance(m, Tokenizing) else None) for m in sent
+             if isinstance(m, Tokenizing | GenerateReq)]
+    assert kinds == [("Tokenizing", 1), ("GenerateReq", None), ("GenerateReq", None), ("Tokenizing", 0),
+                     ("Tokenizing", 1), ("Tokenizing", 0)]
+    assert frontend.client.bodies == 0

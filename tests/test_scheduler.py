@@ -321,3 +321,66 @@ def test_overlap_sends_the_next_batch_before_the_result(make, cache):
     assert loop.in_flight is None and loop.ahead is None and not loop.scheduler.has_work()
     stats = loop.scheduler.stats()
     assert stats.running == 0 and stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+def test_prompts_wait_for_requests_still_being_tokenized(make, monkeypatch):
+    """While the frontend tokenizes other bodies, a new prompt waits for them (one forward for the burst): until
+    the count drops to 0, the prompts fill --max-prefill-length, or --batch-wait-ms passes since the first
+    arrived. Decode steps and prompts under way never wait."""
+    from tidal.scheduler import scheduler as module
+
+    now = [100.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    sched, _ = make(max_prefill_length=64, disable_prefix_cache=True, batch_wait_ms=10)
+    sched.tokenizing = 2
+    sched.add_request(req("a", 20))
+    assert sched.hold_until() == pytest.approx(100.010)
+    assert sched.schedule() is None  # admitted, its prompt held
+    now[0] += 0.004
+    sched.add_request(req("b", 20))
+    assert sched.schedule() is None and sched.hold_until() == pytest.approx(100.010)  # from a's arrival
+    sched.tokenizing = 0
+    batch = sched.schedule()
+    assert [s.rid for s in batch.segments] == ["a", "b"]
+    fake_run(sched, batch)
+    sched.tokenizing = 1
+    sched.add_request(req("c", 30))
+    batch = sched.schedule()  # a and b decode; c waits
+    assert [(s.rid, len(s.token_ids)) for s in batch.segments] == [("a", 1), ("b", 1)]
+    fake_run(sched, batch)
+    now[0] += 0.011  # --batch-wait-ms after c arrived
+    assert sched.hold_until() is None
+    assert [s.rid for s in sched.schedule().segments] == ["a", "b", "c"]
+
+    sched, _ = make(max_prefill_length=64, disable_prefix_cache=True, batch_wait_ms=10)
+    sched.tokenizing = 5
+    sched.add_request(req("d", 40))
+    assert sched.schedule() is None
+    sched.add_request(req("e", 24))  # 64 prompt tokens fill a forward: no more waiting
+    assert [s.rid for s in sched.schedule().segments] == ["d", "e"]
+
+    sched, _ = make(max_prefill_length=64, disable_prefix_cache=True, batch_wait_ms=10)
+    sched.add_request(req("f", 100))  # two chunks
+    fake_run(sched, sched.schedule())
+    sched.tokenizing = 1
+    sched.add_request(req("g", 10))
+    assert sched.hold_until() is None  # f's second chunk goes on, g with it
+    assert [(s.rid, s.start) for s in sched.schedule().segments] == [("f", 64), ("g", 0)]
+
+    sched, _ = make(max_prefill_length=64, disable_prefix_cache=True, batch_wait_ms=0)
+    sched.tokenizing = 3
+    sched.add_request(req("h", 10))
+    assert sched.schedule() is not None  # --batch-wait-ms 0: never waits
+
+
+def test_loop_waits_for_tokenized_requests_then_batches_them(make):
+    """Through the scheduler loop: the frontend's counts hold the first prompt of a burst (no batch goes out)
+    until the last body's request arrives; then both prompts leave in one batch."""
+    from tidal.messages import Tokenizing
+
+    loop, events, sent = _loop(make, overlap=True, batch_wait_ms=1000)
+    _feed(loop, [Tokenizing(count=1), Tokenizing(count=2), req("a", 10), Tokenizing(count=1)])
+    assert sent == [] and loop.in_flight is None
+    _feed(loop, [req("b", 12), Tokenizing(count=0)])
+    assert len(sent) == 2  # the prompts, then their decodes ahead
+    assert [(s.rid, len(s.token_ids)) for s in sent[0].segments] == [("a", 10), ("b", 12)]
