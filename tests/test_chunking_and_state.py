@@ -113,3 +113,21 @@ def test_bf16_prompt_split_on_gdn_blocks_equals_one_forward(tiny_checkpoint):
         llm = LLM(tiny_checkpoint, device="cpu", dtype="bfloat16", max_prefill_length=limit)
         assert torch.equal(llm.score(prompt), want), limit
         assert llm.generate([prompt], max_tokens=12, ignore_eos=True)[0] == want_ids, limit
+
+
+@pytest.mark.parametrize("pairs", [[(0, 9)], [(0, 9), (3, 4)], [(1, 2), (3, 4), (5, 6), (7, 8), (0, 9)]],
+                         ids=["one", "two", "five"])
+def test_copy_many_copies_every_state_of_each_pair(tiny_checkpoint, device, pairs):
+    """Few pairs (one multi-tensor copy) and many (gather-scatter) alike: each destination slot holds its
+    source's every state tensor afterwards, every other slot is untouched."""
+    states = LLM(tiny_checkpoint, device=device).runner.states
+    gen = torch.Generator().manual_seed(3)
+    tensors = list(states._tensors())
+    for t in tensors:
+        t.copy_(torch.randint(0, 1000, t.shape, generator=gen).to(t.dtype))
+    before = [t.clone() for t in tensors]
+    states.copy_many([s for s, _ in pairs], [d for _, d in pairs])
+    dst = {d: s for s, d in pairs}
+    for t, b in zip(tensors, before, strict=True):
+        for slot in range(t.shape[0]):
+            assert torch.equal(t[slot], b[dst.get(slot, slot)]), slot

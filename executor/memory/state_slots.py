@@ -9,6 +9,8 @@ from ..distributed import split
 from ..distributed.shard import gdn_sections
 from ..upload import device_ints
 
+FEW_PAIRS = 4  # slot pairs copied row by row in one launch; more pairs gather and scatter per tensor
+
 
 class StatePool:
     """``num_slots`` slots, each holding one request's state at one position.
@@ -60,14 +62,19 @@ class StatePool:
                 table[layer][dst].copy_(table[layer][src])
 
     def copy_many(self, src: list[int], dst: list[int]) -> None:
-        """:meth:`copy` for several pairs at once: one gather-scatter per state tensor (all sources are
-        read before any destination is written, so the pairs must not chain)."""
+        """Copy every state of slot ``src[i]`` into slot ``dst[i]`` (the pairs must not chain: no slot is
+        both a source and a destination). A few pairs (a prefix-cache restore, a prompt's checkpoints) go
+        in one multi-tensor copy of their rows; more, one gather-scatter per state tensor."""
         pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
         if not pairs:
             return
+        tensors = list(self._tensors())
+        if len(pairs) <= FEW_PAIRS:
+            torch._foreach_copy_([t[d] for _, d in pairs for t in tensors], [t[s] for s, _ in pairs for t in tensors])
+            return
         both = device_ints(pairs, self.ngram_context.device)
         s_t, d_t = both[:, 0], both[:, 1]
-        for t in self._tensors():
+        for t in tensors:
             t[d_t] = t[s_t]
 
     def bytes_per_slot(self) -> int:
