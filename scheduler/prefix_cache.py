@@ -272,12 +272,15 @@ class PrefixCache:
         self.counters["checkpoints_evicted"] += 1
 
     # ---- insertion ----------------------------------------------------------------------------
-    def insert_pages(self, pages: list[int], keys: list[bytes], new_tokens: list[int]) -> None:
+    def insert_pages(self, pages: list[int], keys: list[bytes], new_tokens: list[int],
+                     hashed: list[bytes] | tuple = ()) -> None:
         """Index a request's next full pages, holding ``new_tokens``; ``keys`` (the chain hashes
-        of its pages indexed so far) grows by theirs. A page whose content is already cached under
-        another id stays private to the request."""
+        of its pages indexed so far) grows by theirs, the first ``len(hashed)`` of which the caller
+        hashed already. A page whose content is already cached under another id stays private to the
+        request."""
         first = len(keys)
-        keys += chain_hashes(new_tokens, self.page_size, keys[-1] if keys else ROOT)
+        keys += hashed
+        keys += chain_hashes(new_tokens[len(hashed) * self.page_size:], self.page_size, keys[-1] if keys else ROOT)
         for page, key in zip(pages[first:len(keys)], keys[first:], strict=True):
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page

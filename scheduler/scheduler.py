@@ -479,7 +479,9 @@ class Scheduler:
         ps = self.sizes.page_size
         indexed = len(req.page_keys)
         if end // ps > indexed:
-            self.cache.insert_pages(req.pages, req.page_keys, req.key_tokens(indexed * ps, end // ps * ps))
+            # The prompt's pages were hashed for matching at admission: their keys are taken, not hashed again.
+            hashed = req.match_keys[indexed:end // ps] if req.match_keys else ()
+            self.cache.insert_pages(req.pages, req.page_keys, req.key_tokens(indexed * ps, end // ps * ps), hashed)
         for offset, slot in seg.exports:
             pos = seg.start + offset
             if slot == req.rolling_slot:

@@ -181,6 +181,25 @@ def test_next_turn_hashes_only_its_own_pages(tiny_checkpoint, monkeypatch):
     assert plain.generate([turn], max_tokens=8, ignore_eos=True)[0] == hit
 
 
+def test_a_cold_prompt_is_hashed_once(tiny_checkpoint, monkeypatch):
+    """The pages hashed to match a cold prompt at admission are the ones indexed after its forwards (chunked
+    or not): only the page holding its last token is hashed again, and the keys equal its chain hashes."""
+    counts = _counting_hashes(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 248000, (1000,), generator=gen).tolist()
+    for chunk in (None, 320):
+        llm = LLM(tiny_checkpoint, max_prefill_length=chunk)
+        seen = []
+        index = llm.scheduler._index
+        llm.scheduler._index = lambda req, seg, end, index=index, seen=seen: (index(req, seg, end),
+                                                                              seen.append(list(req.page_keys)))
+        counts.clear()
+        llm.generate([prompt], max_tokens=1)
+        page = llm.sizes.page_size
+        assert sum(counts) == (len(prompt) - 1) // page + (len(prompt) // page - (len(prompt) - 1) // page)
+        assert seen[-1] == chain_hashes(prompt, page)
+
+
 def test_attention_only_model_hits_at_page_boundaries(tmp_path, device):
     from tidal.executor.presets import write_checkpoint
 
