@@ -55,6 +55,7 @@ class SchedulerLoop:
         # What a step emits for the detokenizer goes out as one StepOutput at the step's end.
         self._out: list = []
         self.scheduler = Scheduler(args, config, self.sizes, self._out.append)
+        self.scheduler.hand_out = self._flush
         self.in_flight: Batch | None = None  # the oldest batch sent and not answered
         self.ahead: Batch | None = None  # the batch sent after it
         self.overlap = not args.disable_overlap_schedule

@@ -74,6 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.batch_id = 0
         self.tokenizing = 0  # request bodies the frontend is still turning into requests (its latest count)
+        self.hand_out: Callable[[], None] | None = None  # sends the events emitted so far (the serving loop's)
         self._lm_last = False  # the latest batch was a turn of a layer-major prefill
         self._lm_drop = False  # a layer-major prefill the executor holds ended between its turns
 
@@ -425,6 +426,7 @@ class Scheduler:
             if req is not None:
                 req.lm_spec = None
         self.counters["forwards"] += 1
+        later: list[tuple[Request, SegmentSpec, int]] = []  # indexed once the step's tokens are out
         for index, (seg, tok) in enumerate(zip(batch.segments, token_ids, strict=True)):
             req = self.requests.get(seg.rid)
             if req is None or req.status is not Status.RUNNING:
@@ -440,8 +442,8 @@ class Scheduler:
             if req.restore is not None:  # the first forward has copied the checkpoint
                 self.cache.unlock(req.restore)
                 req.restore = None
-            self._index(req, seg, end)
             if req.abort_reason is not None:
+                self._index(req, seg, end)
                 self._finish(req, req.abort_reason)
                 continue
             if prompt_logprobs and index in prompt_logprobs:  # entry j is position start + 1 + j's
@@ -451,12 +453,15 @@ class Scheduler:
                 self.emit(Detokenize(rid=req.rid, token_ids=[], prompt_logprobs=req.prompt_lp))
                 req.prompt_lp = []
                 if req.max_tokens == 0:
+                    self._index(req, seg, end)
                     self._finish(req, "length")
                     continue
             if req.want_logits and req.prefill_done:
+                self._index(req, seg, end)
                 self._finish(req, "length")
                 continue
             if tok < 0:
+                later.append((req, seg, end))
                 continue
             req.output.append(tok)
             self.counters["generation_tokens"] += 1
@@ -469,8 +474,14 @@ class Scheduler:
             lp = logprobs.get(index) if logprobs else None
             if reason is None:
                 self.emit(Detokenize(rid=req.rid, token_ids=[tok], logprobs=None if lp is None else [lp]))
+                later.append((req, seg, end))
             else:
+                self._index(req, seg, end)
                 self._finish(req, reason, new_tokens=[tok], new_logprobs=None if lp is None else [lp])
+        if later and self.hand_out is not None:
+            self.hand_out()  # the tokens go out before what the forward wrote is indexed (pages, checkpoints)
+        for req, seg, end in later:
+            self._index(req, seg, end)
 
     def _index(self, req: Request, seg: SegmentSpec, end: int) -> None:
         """Publish what the forward just wrote: full pages, then completed checkpoints."""

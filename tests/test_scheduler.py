@@ -189,6 +189,7 @@ def _loop(make, overlap: bool = False, **flags):
     loop.to_executors = [type("Sink", (), {"send": staticmethod(sent_exec.append)})()]
     loop._last_stats, loop._last_stats_time = None, 0.0
     loop._out = events  # the scheduler's emit target is the loop's per-step buffer
+    sched.hand_out = loop._flush
     loop.sent_detok = sent_detok
     return loop, sent_detok, sent_exec
 
@@ -384,3 +385,22 @@ def test_loop_waits_for_tokenized_requests_then_batches_them(make):
     _feed(loop, [req("b", 12), Tokenizing(count=0)])
     assert len(sent) == 2  # the prompts, then their decodes ahead
     assert [(s.rid, len(s.token_ids)) for s in sent[0].segments] == [("a", 10), ("b", 12)]
+
+
+def test_tokens_go_out_before_the_forward_is_indexed(make):
+    """``hand_out`` (the serving loop's flush) runs once a result's tokens are emitted and before the pages and
+    checkpoints the forward wrote are indexed; a request the token ends is indexed before it finishes, so what it
+    computed is cached all the same."""
+    sched, events = make(disable_prefix_cache=False)
+    seen = []
+    sched.hand_out = lambda: seen.append(([(e.rid, e.token_ids) for e in events if isinstance(e, Detokenize)],
+                                          len(sched.cache.page_of)))
+    sched.add_request(req("a", 200, max_tokens=4))
+    sched.add_request(GenerateReq(rid="b", prompt_ids=list(range(1000, 1100)), max_tokens=1))
+    batch = sched.schedule()
+    fake_run(sched, batch)
+    page = sched.sizes.page_size
+    (tokens, cached_then), = seen
+    assert ("a", [7]) in tokens and ("b", [7]) in tokens
+    assert cached_then == 100 // page  # b's pages (indexed as it finished), not a's yet
+    assert len(sched.cache.page_of) == 100 // page + 200 // page
