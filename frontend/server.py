@@ -210,8 +210,8 @@ class Frontend:
         raw = await self._read_body(request)
         # The scheduler counts the bodies being tokenized: prompts that arrive together wait briefly for each other
         # (--batch-wait-ms) and share one forward. A body's requests go out before the count drops.
-        await self.client.tokenizing(+1)
         try:
+            await self.client.tokenizing(+1)  # counted before its message goes: a cancelled handler still counts out
             parsed, choices = await self._submit(raw, chat, capacity)
         finally:
             await self.client.tokenizing(-1)

@@ -215,3 +215,46 @@ def test_the_scheduler_hears_of_bodies_in_tokenization(tiny_checkpoint, tmp_path
     assert kinds == [("Tokenizing", 1), ("GenerateReq", None), ("GenerateReq", None), ("Tokenizing", 0),
                      ("Tokenizing", 1), ("Tokenizing", 0)]
     assert frontend.client.bodies == 0
+
+
+def test_a_client_gone_during_tokenization_counts_its_body_out(tiny_checkpoint, tmp_path):
+    """A client that disconnects while its body is parsed cancels the handler; its body still counts out, so the
+    scheduler's count is back at 0 and later prompts do not wait for it."""
+    from tidal.messages import Tokenizing
+
+    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
+    frontend = Frontend(args, tiny_checkpoint)
+    frontend.load()
+    parse = frontend.parser.parse
+
+    async def slow_parse(raw, chat):
+        await asyncio.sleep(PARSE_SECONDS)
+        return await parse(raw, chat)
+
+    frontend.parser.parse = slow_parse
+    sent = []
+
+    class Recorder:
+        async def send(self, msg):
+            sent.append(msg)
+
+    frontend.client.to_scheduler = Recorder()
+
+    async def go():
+        import aiohttp
+
+        frontend.client.start()
+        frontend.client.ready = True
+        async with TestClient(TestServer(frontend.app())) as client:
+            try:
+                await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                                  timeout=aiohttp.ClientTimeout(total=PARSE_SECONDS / 4))
+            except TimeoutError:
+                pass
+            await asyncio.sleep(PARSE_SECONDS * 2)
+
+    asyncio.run(go())
+    frontend.parser.close()
+    counts = [m.count for m in sent if isinstance(m, Tokenizing)]
+    assert counts == [1, 0] and frontend.client.bodies == 0
+    assert not any(type(m).__name__ == "GenerateReq" for m in sent)
