@@ -16,31 +16,47 @@ from tidal.runtime.serve import wire
 PARSE_SECONDS = 0.4
 
 
+def _frontend(checkpoint: str, tmp_path, slow_parse: bool = False, sent: list | None = None) -> Frontend:
+    """A loaded ``Frontend``; with ``slow_parse`` each parse first sleeps ``PARSE_SECONDS``; with ``sent`` what it
+    sends the scheduler is appended there instead."""
+    args = wire(ServerArgs(model=checkpoint, served_model_name="tiny"), str(tmp_path))
+    frontend = Frontend(args, checkpoint)
+    frontend.load()
+    if slow_parse:
+        parse = frontend.parser.parse
+
+        async def slow(raw, chat):
+            await asyncio.sleep(PARSE_SECONDS)
+            return await parse(raw, chat)
+
+        frontend.parser.parse = slow
+    if sent is not None:
+        class Recorder:
+            async def send(self, msg):
+                sent.append(msg)
+
+        frontend.client.to_scheduler = Recorder()
+    return frontend
+
+
+async def _answer(frontend: Frontend, count: int) -> None:
+    """The engine's side: once ``count`` requests wait, each gets "ok" as its one token and finishes."""
+    while len(frontend.client.queues) < count:
+        await asyncio.sleep(0.01)
+    for rid, queue in frontend.client.queues.items():
+        queue.put_nowait(TextDelta(rid=rid, text="ok", token_ids=[5], finished=True, finish_reason="length",
+                                   usage=Usage(prompt_tokens=1, completion_tokens=1)))
+
+
 def test_time_to_first_token_counts_tokenization(tiny_checkpoint, tmp_path):
     """The TTFT metric starts when the request arrives, before its (here slow) parsing and tokenizing."""
-    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
-    frontend = Frontend(args, tiny_checkpoint)
-    frontend.load()
-    parse = frontend.parser.parse
-
-    async def slow_parse(raw, chat):
-        await asyncio.sleep(PARSE_SECONDS)
-        return await parse(raw, chat)
-
-    frontend.parser.parse = slow_parse
+    frontend = _frontend(tiny_checkpoint, tmp_path, slow_parse=True)
 
     async def go():
         frontend.client.start()
         frontend.client.ready = True
         async with TestClient(TestServer(frontend.app())) as client:
-            async def engine():
-                while not frontend.client.queues:
-                    await asyncio.sleep(0.01)
-                (rid, queue), = frontend.client.queues.items()
-                queue.put_nowait(TextDelta(rid=rid, text="ok", token_ids=[5], finished=True, finish_reason="length",
-                                           usage=Usage(prompt_tokens=1, completion_tokens=1)))
-
-            answer = asyncio.create_task(engine())
+            answer = asyncio.create_task(_answer(frontend, 1))
             t0 = time.monotonic()
             response = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1})
             elapsed = time.monotonic() - t0
@@ -178,30 +194,14 @@ def test_the_scheduler_hears_of_bodies_in_tokenization(tiny_checkpoint, tmp_path
     so the scheduler sees every request of a body before the count that drops it."""
     from tidal.messages import GenerateReq, Tokenizing
 
-    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
-    frontend = Frontend(args, tiny_checkpoint)
-    frontend.load()
-    sent = []
-
-    class Recorder:
-        async def send(self, msg):
-            sent.append(msg)
-
-    frontend.client.to_scheduler = Recorder()
+    sent: list = []
+    frontend = _frontend(tiny_checkpoint, tmp_path, sent=sent)
 
     async def go():
         frontend.client.start()
         frontend.client.ready = True
         async with TestClient(TestServer(frontend.app())) as client:
-            async def engine():
-                while len(frontend.client.queues) < 2:
-                    await asyncio.sleep(0.01)
-                for rid, queue in frontend.client.queues.items():
-                    queue.put_nowait(TextDelta(rid=rid, text="ok", token_ids=[5], finished=True,
-                                               finish_reason="length", usage=Usage(prompt_tokens=1,
-                                                                                   completion_tokens=1)))
-
-            answer = asyncio.create_task(engine())
+            answer = asyncio.create_task(_answer(frontend, 2))
             ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "n": 2})
             assert ok.status == 200
             await answer
@@ -222,23 +222,8 @@ def test_a_client_gone_during_tokenization_counts_its_body_out(tiny_checkpoint, 
     scheduler's count is back at 0 and later prompts do not wait for it."""
     from tidal.messages import Tokenizing
 
-    args = wire(ServerArgs(model=tiny_checkpoint, served_model_name="tiny"), str(tmp_path))
-    frontend = Frontend(args, tiny_checkpoint)
-    frontend.load()
-    parse = frontend.parser.parse
-
-    async def slow_parse(raw, chat):
-        await asyncio.sleep(PARSE_SECONDS)
-        return await parse(raw, chat)
-
-    frontend.parser.parse = slow_parse
-    sent = []
-
-    class Recorder:
-        async def send(self, msg):
-            sent.append(msg)
-
-    frontend.client.to_scheduler = Recorder()
+    sent: list = []
+    frontend = _frontend(tiny_checkpoint, tmp_path, slow_parse=True, sent=sent)
 
     async def go():
         import aiohttp
