@@ -1,22 +1,29 @@
 """Conversations decoding while a long cold prompt prefills: stall-free layer-major against one turn and chunked.
 
     python benchmarks/bench_stall_free.py --out DIR [--preset bench] [--cold 32012] [--chunk 4096]
-                                          [--cache-fraction 0.11] [--conversations 1,8,32] [--slice 4]
-                                          [--arms stall_free,single_turn,chunked] [--device cuda]
+                                          [--cache-fraction 0.11] [--conversations 1,8,32] [--slice 16,32]
+                                          [--arms single_turn,stall_free,chunked] [--device cuda]
 
 A fresh ``tidal serve`` per arm (``--load-format random``, experts offloaded with a cache of ~11% of all
 experts, pinned PLE, ``--max-prefill-length`` 4096, ``--prefill-coalesce``): ``stall_free`` is ``--prefill-
-layer-major --layer-major-slice SLICE``, ``single_turn`` the same with slice 0 (one turn, only while nothing
-else runs: with conversations decoding the prompt runs chunked), ``chunked`` no layer-major. Warm-ups (a short
-request, a long prompt), then a long cold prompt alone (its first text: the arm's ``alone_first_text_s``); for
-each N of ``--conversations``: N conversations (512-token prompts, greedy, ``ignore_eos``) start; once each
-has streamed 32 text events, a window of their decoding alone is measured (the baseline), and a long cold
-prompt of random token ids arrives (greedy, ``--long-tokens`` output tokens, the seed's protocol: first text
-is the first SSE event with text, timed from just before the request). During its prefill (from its request to
-its first text) the conversations' inter-token latency (gaps between text events, per conversation, pooled)
-p50 / p99 / max and their decode tok/s (text events a second, all conversations) are reported beside the
-baseline's, and the long prompt's first text beside the other arms'. The plan mode the tap reports for the
-long prompt is kept. Writes ``DIR/bench_stall_free.json``.
+layer-major --layer-major-slice SLICE``, one arm ``stall_free:SLICE`` per slice of ``--slice``;
+``single_turn`` the same with slice 0 (one turn, only while nothing else runs: with conversations decoding the
+prompt runs chunked), ``chunked`` no layer-major. Warm-ups (a short request, a long prompt), then a long cold
+prompt alone (its first text: the arm's ``alone_first_text_s``); for each N of ``--conversations``: N
+conversations (512-token prompts, greedy, ``ignore_eos``) start; once each has streamed 32 text events, a window
+of their decoding alone is measured (the baseline), and a long cold prompt of random token ids arrives (greedy,
+``--long-tokens`` output tokens, the seed's protocol: first text is the first SSE event with text, timed from
+just before the request). During its prefill (from its request to its first text) the conversations'
+inter-token latency (gaps between text events, per conversation, pooled) p50 / p99 / max and their decode tok/s
+(text events a second, all conversations) are reported beside the baseline's, and the long prompt's first text
+beside its first text alone in the same server (``first_text_over_alone``) and in the other arms. The plan mode
+the tap reports for the long prompt is kept.
+
+Every arm gets the same prompts (each long one cold in its server), and the tap's token ids of every request
+are compared with the first arm's (``ids_equal_to_first_arm``): the long prompts' whole outputs, and each
+conversation's ids as far as both arms streamed it (they are cancelled after the long prompt). With
+``single_turn`` first, the long prompt alone is the run the others must reproduce. Writes
+``DIR/bench_stall_free.json``.
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ async def one_round(url: str, n: int, chats: list[list[int]], long_prompt: list[
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         streams: list[list[float]] = [[] for _ in range(n)]
-        tasks = [asyncio.create_task(stream_events(session, url, chats[i], ns.chat_tokens, streams[i], {}))
+        infos: list[dict] = [{} for _ in range(n)]
+        tasks = [asyncio.create_task(stream_events(session, url, chats[i], ns.chat_tokens, streams[i], infos[i]))
                  for i in range(n)]
         while min(len(s) for s in streams) < BASELINE_EVENTS:
             for t in tasks:
@@ -82,41 +90,56 @@ async def one_round(url: str, n: int, chats: list[list[int]], long_prompt: list[
     if any(ended):
         raise RuntimeError("a conversation ended during the long prompt; raise --chat-tokens")
     return {"conversations": n, "long_first_text_s": first - sent, "long_full_s": done - sent,
-            "long_rid": tap_rid(info.get("id")), "baseline": window_stats(streams, opened, sent),
-            "during_prefill": window_stats(streams, sent, first)}
+            "long_rid": tap_rid(info.get("id")), "chat_rids": [tap_rid(i.get("id")) for i in infos],
+            "baseline": window_stats(streams, opened, sent), "during_prefill": window_stats(streams, sent, first)}
 
 
-async def solo(url: str, prompt: list[int], max_tokens: int) -> float:
-    """First text of ``prompt`` with nothing else running."""
+async def solo(url: str, prompt: list[int], max_tokens: int) -> tuple[float, str | None]:
+    """First text of ``prompt`` with nothing else running, and the request's tap name."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         events: list[float] = []
+        info: dict = {}
         sent = time.monotonic()
-        await stream_events(session, url, prompt, max_tokens, events, {})
-    return events[0] - sent
+        await stream_events(session, url, prompt, max_tokens, events, info)
+    return events[0] - sent, tap_rid(info.get("id"))
+
+
+def tap_ids(tap: TapReader, rid: str | None, finished: bool = True) -> list[int] | None:
+    """The token ids the tap saw for ``rid``: once it finished, or (``finished`` False: a cancelled
+    conversation) as far as they came."""
+    if rid is None:
+        return None
+    rec = tap.wait(rid, timeout=600) if finished else tap.records.get(rid)
+    return None if rec is None else list(rec.token_ids)
 
 
 def run_arm(arm: str, path: str, ns, slots: int, prompts) -> dict:
+    kind, _, size = arm.partition(":")
     n_max = max(ns.conversations)
     context = max(ns.cold + ns.long_tokens, CHAT_PROMPT + ns.chat_tokens) + 64
     kv = n_max * (CHAT_PROMPT + ns.chat_tokens) + ns.cold + ns.long_tokens + 1024  # no preemption
     flags = ["--load-format", "random", "--max-prefill-length", str(ns.chunk), "--ple-backend", "pinned",
              "--moe-strategy", "offload", "--moe-cache-slots", str(slots), "--prefill-coalesce",
              "--max-running-requests", str(n_max + 2), "--max-model-len", str(context), "--kv-pool-tokens", str(kv),
-             *ARM_FLAGS[arm]]
-    if arm == "stall_free":
-        flags += ["--layer-major-slice", str(ns.slice)]
+             *ARM_FLAGS[kind]]
+    if kind == "stall_free":
+        flags += ["--layer-major-slice", size]
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=900)
     tap = TapReader(srv.tap_addr)
     out = {"arm": arm, "flags": flags, "rounds": []}
     try:
         asyncio.run(solo(srv.url, prompts["chats"][0], 8))  # warm-ups: the short and the long shapes
-        asyncio.run(solo(srv.url, prompts["long"](), 8))
-        out["alone_first_text_s"] = asyncio.run(solo(srv.url, prompts["long"](), ns.long_tokens))
+        asyncio.run(solo(srv.url, prompts["warm"], 8))
+        out["alone_first_text_s"], rid = asyncio.run(solo(srv.url, prompts["alone"], ns.long_tokens))
+        out["alone_ids"] = tap_ids(tap, rid)
         print(f"{arm:12s} long prompt alone: first text {out['alone_first_text_s']:.3f} s", flush=True)
         for n in ns.conversations:
-            r = asyncio.run(one_round(srv.url, n, prompts["chats"], prompts["long"](), ns))
+            r = asyncio.run(one_round(srv.url, n, prompts["chats"], prompts["rounds"][n], ns))
             rec = tap.wait(r["long_rid"], timeout=600)
             r["long_plan"] = rec.plan if rec is not None else None
+            r["long_ids"] = None if rec is None else list(rec.token_ids)
+            time.sleep(0.5)  # the cancelled conversations' last tokens reach the tap
+            r["chat_ids"] = [tap_ids(tap, rid, finished=False) for rid in r["chat_rids"]]
             out["rounds"].append(r)
             b, d = r["baseline"], r["during_prefill"]
             print(f"{arm:12s} N={n:<3d} long first text {r['long_first_text_s']:.3f} s "
@@ -130,6 +153,23 @@ def run_arm(arm: str, path: str, ns, slots: int, prompts) -> dict:
     return out
 
 
+def same_ids(first: dict, arm: dict) -> dict:
+    """Whether ``arm``'s requests gave ``first``'s token ids: the long prompts whole, each conversation on the
+    ids both arms saw (a request the tap did not report counts as unequal)."""
+    rounds = {r["conversations"]: r for r in first["rounds"]}
+    out = {"alone": arm["alone_ids"] is not None and arm["alone_ids"] == first["alone_ids"]}
+    for r in arm["rounds"]:
+        ref = rounds.get(r["conversations"])
+        if ref is None:
+            continue
+        out[f"long_{r['conversations']}"] = r["long_ids"] is not None and r["long_ids"] == ref["long_ids"]
+        out[f"chats_{r['conversations']}"] = all(
+            a is not None and b is not None and a[:min(len(a), len(b))] == b[:min(len(a), len(b))]
+            for a, b in zip(r["chat_ids"], ref["chat_ids"], strict=True))
+    out["all"] = all(out.values())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -138,8 +178,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--cache-fraction", type=float, default=0.11)
     ap.add_argument("--conversations", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--slice", type=int, default=4, help="--layer-major-slice of the stall_free arm")
-    ap.add_argument("--arms", default="stall_free,single_turn,chunked")
+    ap.add_argument("--slice", default="16,32", type=lambda s: [int(x) for x in s.split(",")],
+                    help="--layer-major-slice of each stall_free arm")
+    ap.add_argument("--arms", default="single_turn,stall_free,chunked")
     ap.add_argument("--chat-tokens", type=int, default=4096, help="output tokens a conversation asks for")
     ap.add_argument("--long-tokens", type=int, default=128)
     ap.add_argument("--baseline-s", type=float, default=1.0, help="the conversations' window alone")
@@ -157,39 +198,53 @@ def main() -> None:
         return torch.randint(1000, 150000, (n,), generator=gen).tolist()
 
     chats = [draw(CHAT_PROMPT) for _ in range(max(ns.conversations))]
-    prompts = {"chats": chats, "long": lambda: draw(ns.cold)}  # a new cold prompt each time: no cache hits
-    arms = [run_arm(a, path, ns, slots, prompts) for a in ns.arms.split(",")]
+    # Every arm gets the same prompts; each long one is new to its server (no cache hits).
+    prompts = {"chats": chats, "warm": draw(ns.cold), "alone": draw(ns.cold),
+               "rounds": {n: draw(ns.cold) for n in ns.conversations}}
+    names: list[str] = []
+    for a in ns.arms.split(","):
+        names += [f"stall_free:{size}" for size in ns.slice] if a == "stall_free" else [a]
+    arms = [run_arm(a, path, ns, slots, prompts) for a in names]
     summary = {}
     for arm in arms:
         for r in arm["rounds"]:
             b, d = r["baseline"], r["during_prefill"]
             summary.setdefault(arm["arm"], {})[r["conversations"]] = {
                 "long_first_text_s": r["long_first_text_s"], "long_mode": (r["long_plan"] or {}).get("mode"),
+                "first_text_over_alone": r["long_first_text_s"] / arm["alone_first_text_s"],
                 "itl_p99_during_over_alone": d["itl_p99_s"] / b["itl_p99_s"] if b["itl_p99_s"] else None,
                 "itl_p50_s": d["itl_p50_s"], "itl_p99_s": d["itl_p99_s"], "itl_max_s": d["itl_max_s"],
+                "itl_p99_alone_s": b["itl_p99_s"],
                 "events_per_s_during": d["events_per_s"], "events_per_s_alone": b["events_per_s"]}
     alone = {arm["arm"]: arm["alone_first_text_s"] for arm in arms}
-    if "stall_free" in summary and "single_turn" in alone:
-        for row in summary["stall_free"].values():  # against one turn of layer-major with nothing else running
-            row["first_text_over_single_turn_alone"] = row["long_first_text_s"] / alone["single_turn"]
-    result = {"preset": ns.preset, "cold": ns.cold, "chunk": ns.chunk, "slice": ns.slice, "cache_slots": slots,
-              "alone_first_text_s": alone, "summary": summary, "arms": arms}
+    if "single_turn" in alone:
+        for name, rows in summary.items():  # against one turn of layer-major with nothing else running
+            for row in rows.values():
+                if name.startswith("stall_free"):
+                    row["first_text_over_single_turn_alone"] = row["long_first_text_s"] / alone["single_turn"]
+    result = {"preset": ns.preset, "cold": ns.cold, "chunk": ns.chunk, "slices": ns.slice, "cache_slots": slots,
+              "alone_first_text_s": alone, "summary": summary,
+              "ids_equal_to_first_arm": {arm["arm"]: same_ids(arms[0], arm) for arm in arms[1:]}, "arms": arms}
     with open(os.path.join(ns.out, "bench_stall_free.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print("\narm          N    long first text s  mode         ITL p50 / p99 / max ms   p99 during/alone  "
-          "events/s alone -> during")
+    print("\narm             N    long first text s  / alone  mode         ITL p50 / p99 / max ms   "
+          "p99 during/alone  events/s alone -> during")
     for name, rows in summary.items():
         for n, row in rows.items():
             ratio = row["itl_p99_during_over_alone"]
-            print(f"{name:12s} {n:<4d} {row['long_first_text_s']:17.3f}  {str(row['long_mode']):11s}  "
+            print(f"{name:15s} {n:<4d} {row['long_first_text_s']:17.3f}  {row['first_text_over_alone']:6.2f}  "
+                  f"{str(row['long_mode']):11s}  "
                   f"{row['itl_p50_s'] * 1e3:6.1f} / {row['itl_p99_s'] * 1e3:6.1f} / {row['itl_max_s'] * 1e3:7.1f}  "
                   f"{ratio if ratio is None else f'{ratio:16.2f}'}  {row['events_per_s_alone']:8.1f} -> "
                   f"{row['events_per_s_during']:.1f}")
     print("long prompt alone, first text s: " + ", ".join(f"{k} {v:.3f}" for k, v in alone.items()))
-    for n, row in summary.get("stall_free", {}).items():
-        if "first_text_over_single_turn_alone" in row:
-            ratio = row["first_text_over_single_turn_alone"]
-            print(f"stall_free at N={n} / single_turn alone, first text: {ratio:.3f}")
+    for name, rows in summary.items():
+        for n, row in rows.items():
+            if "first_text_over_single_turn_alone" in row:
+                print(f"{name} at N={n} / single_turn alone, first text: "
+                      f"{row['first_text_over_single_turn_alone']:.3f}")
+    for name, same in result["ids_equal_to_first_arm"].items():
+        print(f"ids of {name} equal to {arms[0]['arm']}'s: {same}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ class LayerMajorPrefill:
         self.pending: list = [None] * len(self.chunks)
         self.moe_in: list = []
         self.step = 0  # of 2 * len(chunks) per layer: before-MoE of chunk k, then MoE of chunk k
+        self.deferred: int | None = None  # a layer whose finish ended a turn: its buffer's next copy waits
 
     @property
     def steps_left(self) -> int:
@@ -69,7 +70,10 @@ class LayerMajorPrefill:
         steps = self.steps_left if layer_chunks <= 0 else min(self.steps_left, 2 * layer_chunks)
         n = len(self.chunks)
         store = self.runner.expert_store
-        for _ in range(steps):
+        if self.deferred is not None:
+            store.finished(self.deferred)
+            self.deferred = None
+        for step in range(steps):
             i, k = divmod(self.step, 2 * n)
             layer, fb = self.layers[i], self.chunks[k % n]
             if k < n:
@@ -86,7 +90,12 @@ class LayerMajorPrefill:
                         if following in self.ahead and store.copy_stream is not None:
                             # The next layer's PLE rows travel before the layer after next's experts.
                             self.ahead[following].upload(store.copy_stream)
-                        store.finished(layer.layer_idx)
+                        if step == steps - 1 and self.step + 1 < 2 * n * len(self.layers):
+                            # The turn ends here and decode steps come next: their expert copies go ahead
+                            # of the layer after next on the copy engine (the next layer is under way).
+                            self.deferred = layer.layer_idx
+                        else:
+                            store.finished(layer.layer_idx)
             self.step += 1
         return self.steps_left == 0
 

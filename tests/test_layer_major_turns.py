@@ -115,9 +115,10 @@ def start_conversations(d: Driver) -> None:
                          ids=["one-turn", "slice1", "slice5", "slice1-cache16"])
 def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_checkpoint, alone, size, slots,
                                                                          coalesce):
-    """With 4 cache slots the conversations' decodes (5 experts a layer) take layers whole from the buffers the
-    prefill holds, which copies them again; with 16 they go through the cache, which keeps what the prefill's
-    whole-layer copies will take from it."""
+    """With 4 cache slots the conversations' decodes (5 experts a layer) take layers whole: those the prefill's
+    buffers hold as they are, the others into the buffers, which the prefill copies again; with 16 they go
+    through the cache (but for the buffered layers), which keeps what the prefill's whole-layer copies will take
+    from it."""
     llm = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_slice=size, **{**OFFLOAD,
                                                                                       "moe_cache_slots": slots})
     d = Driver(llm)
@@ -158,6 +159,38 @@ def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_ch
     assert between and all(n == CONVERSATIONS for n in between), between
     # No decode ran inside a turn, and the long prompt's other segments ran in no turn.
     assert all(rids == ["again"] for kind, rids in d.batches[first:] if kind == "turn")
+    d.idle()
+
+
+def test_decodes_between_turns_take_the_buffered_layers_and_copy_first(tiny_checkpoint, alone):
+    """A turn that ends with a layer leaves the layer after next uncopied until the next turn begins, so the
+    decode steps between them queue their expert copies ahead of it; those steps take the layers the buffers
+    hold whole (copying none of their experts) and the others through the cache."""
+    chunks = math.ceil(len(LONG) / CHUNK)
+    llm = LLM(tiny_checkpoint, layer_major_slice=chunks, **{**OFFLOAD, "moe_cache_slots": 6})
+    store = llm.runner.expert_store
+    d = Driver(llm)
+    start_conversations(d)
+    d.add("long", LONG, 8)
+    before = store.stats()
+    d.until(lambda: len(d.turns()) == 1)  # the first turn: every chunk of the first layer
+
+    def delta(key: str, since: dict) -> list[int]:
+        return [a - b for a, b in zip(store.stats()[key], since[key], strict=True)]
+
+    assert delta("expert_layer_streams", before) == [1, 1, 0, 0]
+    between = store.stats()
+    d.step()  # the conversations' decode step
+    assert d.batches[-1][0] == "batch" and len(d.batches[-1][1]) == CONVERSATIONS
+    assert delta("expert_loads", between)[:2] == [0, 0]  # both buffered layers served whole
+    assert delta("expert_layer_streams", between) == [0, 0, 0, 0]
+    d.step()  # the second turn starts the third layer's copy
+    assert d.batches[-1][0] == "turn"
+    assert delta("expert_layer_streams", between) == [0, 0, 1, 0]
+    d.run_all()
+    assert d.tokens["long"] == alone["long"]
+    for i in range(CONVERSATIONS):
+        assert d.tokens[f"chat{i}"] == alone[f"chat{i}"], i
     d.idle()
 
 

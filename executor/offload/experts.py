@@ -132,6 +132,10 @@ class ExpertStore:
         dequantized per use)."""
         if self._whole_layers:  # layer-major: whole layers, decided without looking at the routing
             return (*self._layer(layer), ids)
+        if self.active and layer in self._buffer_layer:
+            # Between the turns of a layer-major prefill: a layer its buffers hold (or are filling) serves a
+            # decode batch whole, with no copy and without the routing on the host.
+            return (*self._buffered(layer), ids)
         experts = torch.unique(ids).tolist()  # offload needs the routed set on the host
         misses = sum(1 for e in experts if (layer, e) not in self._lru)
         # Between the turns of a layer-major prefill the layer buffers hold its layers: a batch takes a layer
@@ -223,12 +227,18 @@ class ExpertStore:
     def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole layer on the device; the next MoE layer starts copying into the other buffer."""
         index = self._buffer_for(layer)
-        ready = self._buffer_ready[index]
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+        buffers = self._buffered(layer)
         position = self.layers.index(layer)
         if position + 1 < len(self.layers) and self.layers[position + 1] not in self._buffer_layer:
             self._fill(1 - index, self.layers[position + 1])
+        return buffers
+
+    def _buffered(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffer holding ``layer``, once its copy landed; starts no copy."""
+        index = self._buffer_layer.index(layer)
+        ready = self._buffer_ready[index]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         return self._buffers[index]
 
     def _oldest_buffer(self, layer: int) -> int:
