@@ -128,8 +128,29 @@ class Checkpoint:
     key: bytes  # chain hash at `position`
     position: int
     slot: int
-    page_keys: list[bytes]  # the pages it stands on (all must be cached for a hit)
     locks: int = 0
+
+
+@dataclass(eq=False)
+class _Stand:
+    """What a checkpoint stands on (all must be cached for a hit): the pages past the nearest shorter checkpoint
+    position of its chain known when it was written (``parent``), and what that one stands on. It outlives its
+    checkpoint while longer ones stand on it."""
+
+    key: bytes
+    pages: list[bytes]  # its own page keys
+    parent: _Stand | None
+    missing: int = 0  # own pages not cached
+    children: int = 0
+    checkpoint: Checkpoint | None = None
+
+    def whole(self) -> bool:
+        node: _Stand | None = self
+        while node is not None:
+            if node.missing:
+                return False
+            node = node.parent
+        return True
 
 
 @dataclass
@@ -147,6 +168,7 @@ class PrefixCache:
                  needs_state: bool, counters: dict[str, int]):
         self.pages, self.slots = pages, checkpoint_slots
         self.page_size, self.align = page_size, align
+        self.per_ckpt = max(1, align // page_size)  # pages between checkpoint positions
         self.needs_state = needs_state
         self.counters = counters
         self.page_of: dict[bytes, int] = {}  # chain hash -> page id
@@ -155,10 +177,12 @@ class PrefixCache:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.checkpoints: dict[bytes, Checkpoint] = {}
         self.idle_checkpoints: OrderedDict[bytes, None] = OrderedDict()
-        # The checkpoints standing on each cached or evicted page (by chain hash), and per checkpoint how many of
-        # its pages are not cached: one with any missing is unreachable, the first to go for a slot.
-        self.standing: dict[bytes, set[bytes]] = {}
-        self.missing: dict[bytes, int] = {}
+        # What each checkpoint stands on, by its key, as a tree: a checkpoint that extends a shorter one of its
+        # chain stands on its own pages and that one's stand, so writing or dropping one costs its own pages,
+        # not the length of the prefix. Per cached or evicted page, the stands holding it among their own pages.
+        # A checkpoint with any page not cached is unreachable, the first to go for a slot.
+        self.stands: dict[bytes, _Stand] = {}
+        self.standing: dict[bytes, list[_Stand]] = {}
         self.memo = HashMemo(page_size)
 
     # ---- accounting ---------------------------------------------------------------------------
@@ -190,7 +214,7 @@ class PrefixCache:
         page_tokens = len(pages) * self.page_size
         if not self.needs_state:
             return Match(tokens=page_tokens, pages=pages, keys=keys[:len(pages)], page_tokens=page_tokens)
-        per_ckpt = self.align // self.page_size
+        per_ckpt = self.per_ckpt
         for n in range(len(pages) // per_ckpt * per_ckpt, 0, -per_ckpt):
             ckpt = self.checkpoints.get(keys[n - 1])
             if ckpt is not None:
@@ -241,8 +265,8 @@ class PrefixCache:
         page, _ = self.evictable.popitem(last=False)
         key = self.key_of.pop(page)
         del self.page_of[key]
-        for ckpt in self.standing.get(key, ()):
-            self.missing[ckpt] += 1
+        for stand in self.standing.get(key, ()):
+            stand.missing += 1
         self.pages.decref([page])
         self.counters["pages_evicted"] += 1
 
@@ -251,7 +275,7 @@ class PrefixCache:
         if slot is not None:
             return slot
         # Prefer checkpoints whose pages are gone (unreachable), then the least recently used.
-        victim = next((k for k in self.idle_checkpoints if self.missing[k]), None)
+        victim = next((k for k in self.idle_checkpoints if not self.stands[k].whole()), None)
         if victim is None and self.idle_checkpoints:
             victim = next(iter(self.idle_checkpoints))
         if victim is None:
@@ -262,12 +286,18 @@ class PrefixCache:
     def _drop_checkpoint(self, key: bytes) -> None:
         ckpt = self.checkpoints.pop(key)
         self.idle_checkpoints.pop(key, None)
-        del self.missing[key]
-        for page_key in ckpt.page_keys:
-            on = self.standing[page_key]
-            on.discard(key)
-            if not on:
-                del self.standing[page_key]
+        stand = self.stands[key]
+        stand.checkpoint = None
+        while stand is not None and stand.checkpoint is None and not stand.children:  # nothing stands on it
+            for page_key in stand.pages:
+                on = self.standing[page_key]
+                on.remove(stand)
+                if not on:
+                    del self.standing[page_key]
+            del self.stands[stand.key]
+            stand = stand.parent
+            if stand is not None:
+                stand.children -= 1
         self.slots.free(ckpt.slot)
         self.counters["checkpoints_evicted"] += 1
 
@@ -285,26 +315,41 @@ class PrefixCache:
             if key not in self.page_of and page not in self.key_of:
                 self.page_of[key] = page
                 self.key_of[page] = key
-                for ckpt in self.standing.get(key, ()):  # cached again: its checkpoints may be whole again
-                    self.missing[ckpt] -= 1
+                for stand in self.standing.get(key, ()):  # cached again: its checkpoints may be whole again
+                    stand.missing -= 1
                 self.pages.incref([page])  # the cache's own reference
 
     def insert_checkpoint(self, page_keys: list[bytes], slot: int) -> bool:
         """Publish the state in ``slot`` as the checkpoint at the end of the pages ``page_keys``;
         ``False`` means the caller keeps (and must free) the slot."""
         key = page_keys[-1]
-        if key in self.checkpoints or not all(map(self.page_of.__contains__, page_keys)):
+        if key in self.checkpoints:
             return False
-        self.checkpoints[key] = Checkpoint(key=key, position=len(page_keys) * self.page_size, slot=slot,
-                                           page_keys=list(page_keys))
-        self.missing[key] = 0
-        standing = self.standing
-        for page_key in page_keys:
-            on = standing.get(page_key)
-            if on is None:
-                standing[page_key] = {key}
-            else:
-                on.add(key)
+        stand = self.stands.get(key)
+        if stand is None:
+            parent, start = None, 0
+            for n in range((len(page_keys) - 1) // self.per_ckpt * self.per_ckpt, 0, -self.per_ckpt):
+                parent = self.stands.get(page_keys[n - 1])
+                if parent is not None:
+                    start = n
+                    break
+            own = page_keys[start:]
+            if not all(map(self.page_of.__contains__, own)) or (parent is not None and not parent.whole()):
+                return False
+            stand = self.stands[key] = _Stand(key=key, pages=list(own), parent=parent)
+            if parent is not None:
+                parent.children += 1
+            standing = self.standing
+            for page_key in own:
+                on = standing.get(page_key)
+                if on is None:
+                    standing[page_key] = [stand]
+                else:
+                    on.append(stand)
+        elif not stand.whole():
+            return False
+        stand.checkpoint = self.checkpoints[key] = Checkpoint(key=key, position=len(page_keys) * self.page_size,
+                                                              slot=slot)
         self.idle_checkpoints[key] = None
         self.counters["checkpoints_written"] += 1
         return True

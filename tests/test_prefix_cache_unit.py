@@ -254,6 +254,97 @@ def test_unreachable_checkpoints_give_their_slots_first():
     assert counters["checkpoints_evicted"] == 1
 
 
+def test_a_checkpoint_stands_on_the_shorter_one_it_extends_after_that_one_is_dropped():
+    """A checkpoint that extends a shorter one of its chain (here at 24 and 8 tokens) stands on the shorter one's
+    pages too, after that one gave its slot: one of those pages evicted makes it unreachable, the first to give
+    its slot though another is less recently used; cached again, it is whole again. Once both are dropped,
+    nothing of what they stood on is kept."""
+    cache, counters = _cache(pages=16, slots=2)
+    tokens, other = list(range(100, 124)), list(range(300, 308))
+    pages, keys = cache.alloc_pages(6), []
+    cache.insert_pages(pages, keys, tokens)
+    assert cache.insert_checkpoint(keys[:2], cache.alloc_checkpoint_slot())
+    assert cache.insert_checkpoint(keys[:6], cache.alloc_checkpoint_slot())
+    cache.release_pages(pages)
+    slot = cache.alloc_checkpoint_slot()  # both whole: the one at 8, the older, gives its slot
+    assert counters["checkpoints_evicted"] == 1 and keys[1] not in cache.checkpoints
+    assert cache.match(tokens + [0]).tokens == 24
+
+    page_1 = pages[1]  # the cached page at [4, 8)
+
+    def newest_idle_with_page_1_least_recent():
+        hit = cache.match(tokens + [0])  # a request restores the checkpoint at 24: it is the most recently used
+        cache.acquire(hit)
+        cache.unlock(hit.checkpoint)
+        cache.release_pages(hit.pages)
+        for page in [p for p in cache.evictable if p != page_1]:
+            cache.evictable.move_to_end(page)
+
+    for phase in range(2):
+        other_pages, other_keys = cache.alloc_pages(2), []
+        cache.insert_pages(other_pages, other_keys, other)
+        assert cache.insert_checkpoint(other_keys, slot)
+        cache.release_pages(other_pages)
+        newest_idle_with_page_1_least_recent()
+        held = cache.alloc_pages(cache.pages.num_free + 1)  # evicts the page at [4, 8)
+        assert cache.match(tokens + [0]).tokens == 0 and cache.match(other + [0]).tokens == 8
+        if phase == 0:  # computed anew: whole again, and the less recently used one goes
+            again: list[bytes] = []
+            cache.insert_pages(held[:6], again, tokens)
+            cache.release_pages(held[:6])
+            cache.pages.decref(held[6:])
+            assert again == keys and cache.match(tokens + [0]).tokens == 24
+            slot = cache.alloc_checkpoint_slot()
+            assert other_keys[-1] not in cache.checkpoints and keys[5] in cache.checkpoints
+            page_1 = held[1]
+        else:
+            cache.pages.decref(held)
+            assert cache.alloc_checkpoint_slot() is not None
+            assert keys[5] not in cache.checkpoints and other_keys[-1] in cache.checkpoints
+    assert counters["checkpoints_evicted"] == 3
+    cache.alloc_checkpoint_slot()  # the other goes too
+    assert not cache.checkpoints and not cache.stands and not cache.standing
+
+
+def test_checkpoints_are_whole_exactly_when_their_pages_are_cached_under_random_traffic():
+    """Requests over three shared trunks with branching tails match, take and release pages, write checkpoints at
+    aligned positions and evict under pressure: after each, every checkpoint counts as whole exactly when every
+    page it stands on is cached, and what the cache keeps of stands belongs to live checkpoints."""
+    import random
+
+    rng = random.Random(0)
+    cache, _ = _cache(pages=48, slots=16)
+    trunks = [list(range(1000 * i, 1000 * i + 96)) for i in range(3)]
+    written: dict[bytes, list[bytes]] = {}  # checkpoint key -> the page keys it was written over
+    for _ in range(300):
+        tokens = rng.choice(trunks)[:rng.randrange(1, 13) * 8]
+        tokens = tokens + [rng.randrange(5000, 5004) for _ in range(rng.randrange(0, 17))]
+        match = cache.match(tokens + [0])
+        need = (len(tokens) + 3) // 4 - len(match.pages)
+        if cache.available_pages() - sum(p in cache.evictable for p in match.pages) < need:
+            continue
+        cache.acquire(match)
+        pages, keys = match.pages + cache.alloc_pages(need), list(match.keys)
+        cache.insert_pages(pages, keys, tokens[len(match.keys) * 4:len(tokens) // 4 * 4])
+        for n in sorted(rng.sample(range(2, len(keys) + 1, 2), min(2, len(keys) // 2))):
+            slot = cache.alloc_checkpoint_slot()
+            if slot is None:
+                break
+            if cache.insert_checkpoint(keys[:n], slot):
+                written[keys[n - 1]] = keys[:n]
+            else:
+                cache.slots.free(slot)
+        if match.checkpoint is not None:
+            cache.unlock(match.checkpoint)
+        cache.release_pages(pages)
+        for key in cache.checkpoints:
+            assert cache.stands[key].whole() == all(k in cache.page_of for k in written[key])
+        below = {id(s.parent) for s in cache.stands.values() if s.parent is not None}
+        assert all(s.checkpoint is not None or id(s) in below for s in cache.stands.values())
+        assert all(s in cache.stands.values() for on in cache.standing.values() for s in on)
+    assert 0 < len(cache.checkpoints) and any(s.parent is not None for s in cache.stands.values())
+
+
 def test_memo_compares_shared_prefixes_once(monkeypatch):
     """Many remembered continuations of one long prompt: a lookup compares about the prompt's length of tokens,
     not that times the number of continuations, and still gives the longest that matches."""
