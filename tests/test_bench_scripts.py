@@ -298,7 +298,8 @@ def test_bench_decode_gemm_lists_the_weights_a_decode_step_multiplies_by(monkeyp
 
 def test_bench_stall_free_runs_on_cpu(tmp_path):
     """The stall-free benchmark end to end on the tiny preset: the long prompt runs layer-major over turns
-    with conversations decoding in the stall-free arm, chunked in the others, and the figures are there."""
+    with conversations decoding in the stall-free arm, chunked in the others, the figures are there, and every
+    request's ids equal the first arm's."""
     out = tmp_path / "sf"
     proc = subprocess.run([sys.executable, script("bench_stall_free.py"), "--out", str(out),
                            "--preset", "tiny", "--device", "cpu", "--cold", "600", "--chunk", "128",
@@ -308,13 +309,18 @@ def test_bench_stall_free_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads((out / "bench_stall_free.json").read_text())
     modes = {arm: rows["2"]["long_mode"] for arm, rows in data["summary"].items()}
-    assert modes == {"stall_free": "layer_major", "single_turn": "chunked", "chunked": "chunked"}
+    assert modes == {"stall_free:2": "layer_major", "single_turn": "chunked", "chunked": "chunked"}
+    assert [arm["arm"] for arm in data["arms"]] == ["single_turn", "stall_free:2", "chunked"]
     for arm in data["arms"]:
         assert arm["left_after_stop"] == []
         r = arm["rounds"][0]
         assert r["during_prefill"]["gaps"] > 0 and r["baseline"]["gaps"] > 0
         assert r["long_first_text_s"] > 0 and arm["alone_first_text_s"] > 0
-    assert data["summary"]["stall_free"]["2"]["first_text_over_single_turn_alone"] > 0
+    row = data["summary"]["stall_free:2"]["2"]
+    assert row["first_text_over_single_turn_alone"] > 0 and row["first_text_over_alone"] > 0
+    same = data["ids_equal_to_first_arm"]
+    assert set(same) == {"stall_free:2", "chunked"} and all(arm["all"] for arm in same.values()), same
+    assert all(len(ids) > 0 for arm in data["arms"] for ids in arm["rounds"][0]["chat_ids"])
 
 
 def test_bench_serving_runs_on_cpu(tmp_path):
