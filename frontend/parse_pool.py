@@ -30,7 +30,7 @@ def _worker(conn, index: int, model_path: str, limits: Limits, log_level: int) -
     from ..runtime.ipc import die_with_parent, set_process_name
     from ..tokenizer import load_tokenizer
     from .answer_memory import AnswerMemory
-    from .protocol import parse_body, parse_chat, parse_completion
+    from .protocol import packed, parse_body, parse_chat, parse_completion
 
     die_with_parent()
     set_process_name(f"tidal-tokenizer-{index}")
@@ -51,7 +51,7 @@ def _worker(conn, index: int, model_path: str, limits: Limits, log_level: int) -
         try:
             body = parse_body(raw)
             parsed = parse_chat(body, limits, tokenizer, answers) if chat else parse_completion(body, limits, tokenizer)
-            reply: tuple = ("ok", parsed)
+            reply: tuple = ("ok", packed(parsed))
         except APIError as e:
             reply = ("error", (e.status, e.message, e.param, e.type, e.code, e.retry_after))
         except Exception as e:  # a bug: the request gets a 500, the worker serves on

@@ -12,6 +12,7 @@ import math
 import re
 import sys
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,10 +102,58 @@ class Limits:
     images: ImageProcessor | None = None
 
 
+class PackedIds(Sequence):
+    """Token ids as one msgpack array: how a tokenizer worker hands the frontend a prompt (bytes cross the pipe
+    without a Python int apiece), which goes into the scheduler's ``GenerateReq`` as it is (:meth:`raw`) and is
+    unpacked only where the frontend reads the ids (echo, a chat's reasoning state)."""
+
+    __slots__ = ("packed", "length", "_ids")
+
+    def __init__(self, packed: bytes, length: int):
+        self.packed, self.length = packed, length
+        self._ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, ids: list[int]) -> PackedIds:
+        return cls(msgspec.msgpack.encode(ids), len(ids))
+
+    @property
+    def ids(self) -> list[int]:
+        if self._ids is None:
+            self._ids = msgspec.msgpack.decode(self.packed, type=list[int])
+        return self._ids
+
+    def raw(self) -> msgspec.Raw:
+        return msgspec.Raw(self.packed)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):
+        return self.ids[index]
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, PackedIds)) else NotImplemented
+
+    def __reduce__(self):
+        return PackedIds, (self.packed, self.length)
+
+
+def packed(parsed: ParsedRequest) -> ParsedRequest:
+    """``parsed`` with its prompts' ids packed (:class:`PackedIds`), for the pipe back to the frontend."""
+    prompts = [PackedIds.of(ids) for ids in parsed.prompts]
+    parsed.prompt_ids = prompts[0] if prompts else PackedIds.of(parsed.prompt_ids)
+    parsed.prompts = prompts
+    return parsed
+
+
 @dataclass
 class ParsedRequest:
     chat: bool
-    prompt_ids: list[int]
+    prompt_ids: list[int] | PackedIds
     max_tokens: int
     temperature: float
     top_p: float
@@ -124,7 +173,7 @@ class ParsedRequest:
     # Penalties and token controls (frontend/controls.py).
     controls: dict = field(default_factory=dict)
     # Completions: every prompt of the request (``prompt_ids`` is the first), and ``echo``.
-    prompts: list[list[int]] = field(default_factory=list)
+    prompts: list[list[int] | PackedIds] = field(default_factory=list)
     prompt_max_tokens: list[int] = field(default_factory=list)  # per prompt: the default fits each one
     echo: bool = False
     # Chat: parse the answer's <tool_call> blocks into tool_calls (tools given, tool_choice not "none").

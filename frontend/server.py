@@ -34,6 +34,7 @@ from .parse_pool import ParsePool
 from .parsers import ChatOutput, thinking_closed
 from .protocol import (
     Limits,
+    PackedIds,
     ParsedRequest,
     chat_chunk,
     completion_chunk,
@@ -52,7 +53,7 @@ class Choice:
     entries and hands them to the prompt's other choices through the future (``(is choice 0, future)``)."""
 
     rid: str
-    prompt_ids: list[int]
+    prompt_ids: list[int] | PackedIds
     queue: asyncio.Queue
     share: tuple[bool, asyncio.Future] | None = None
     first_at: float | None = None  # when the first token arrived
@@ -259,7 +260,8 @@ class Frontend:
                 choice_rid = base if i == 0 else f"{base}.{i}"
                 seed = None if parsed.seed is None else (parsed.seed + p * n + i + 2**63) % 2**64 - 2**63
                 queue = await self.client.submit(GenerateReq(
-                    rid=choice_rid, prompt_ids=ids, max_tokens=max_tokens[p],
+                    rid=choice_rid, prompt_ids=ids.raw() if isinstance(ids, PackedIds) else ids,
+                    max_tokens=max_tokens[p],
                     sampling=SamplingParams(temperature=parsed.temperature, top_p=parsed.top_p, top_k=parsed.top_k,
                                             min_p=parsed.min_p,
                                             seed=seed, logprobs=parsed.logprobs, **parsed.controls["sampling"]),
@@ -364,7 +366,7 @@ class Frontend:
             return chat_logprobs(self.tokenizer, ids, entries)
         return completion_logprobs(self.tokenizer, ids, entries, offset)
 
-    def _echo(self, parsed: ParsedRequest, prompt_ids: list[int],
+    def _echo(self, parsed: ParsedRequest, prompt_ids: list[int] | PackedIds,
               prompt_entries: list | None) -> tuple[str, dict | None]:
         """Echo: the prompt's text and (with logprobs) its entries; the first token has none."""
         text = self.tokenizer.decode(prompt_ids, skip_special=False)

@@ -243,3 +243,28 @@ def test_a_client_gone_during_tokenization_counts_its_body_out(tiny_checkpoint, 
     counts = [m.count for m in sent if isinstance(m, Tokenizing)]
     assert counts == [1, 0] and frontend.client.bodies == 0
     assert not any(type(m).__name__ == "GenerateReq" for m in sent)
+
+
+def test_packed_prompt_ids_cross_the_pipe_as_bytes_and_reach_the_scheduler_whole():
+    """A tokenizer worker hands the frontend a prompt's ids packed: the pipe carries bytes (no int apiece), the
+    frontend reads them only where it needs them, and the scheduler decodes the very ids from the request."""
+    import pickle
+
+    from tidal.frontend.protocol import PackedIds, ParsedRequest, packed
+    from tidal.messages import GenerateReq, SchedulerInbound, decoder, encode
+
+    ids = list(range(5, 230000, 7))
+    piped = pickle.loads(pickle.dumps(PackedIds.of(ids)))
+    assert piped._ids is None and len(piped) == len(ids)  # nothing unpacked on the way
+    assert piped[-64:] == ids[-64:] and list(piped) == ids and piped == ids
+    sent = encode(GenerateReq(rid="r", prompt_ids=piped.raw(), max_tokens=1))
+    assert sent == encode(GenerateReq(rid="r", prompt_ids=ids, max_tokens=1))
+    assert decoder(SchedulerInbound).decode(sent).prompt_ids == ids
+
+    fields = dict(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop=[],
+                  ignore_eos=False, stream=False, include_usage=False, continuous_usage=False,
+                  skip_special_tokens=True, model="m")
+    two = packed(ParsedRequest(chat=False, prompt_ids=[1, 2], prompts=[[1, 2], [3]], **fields))
+    assert two.prompt_ids is two.prompts[0] and [list(p) for p in two.prompts] == [[1, 2], [3]]
+    chat = packed(ParsedRequest(chat=True, prompt_ids=[4, 5, 6], **fields))
+    assert isinstance(chat.prompt_ids, PackedIds) and chat.prompt_ids == [4, 5, 6] and chat.prompts == []
