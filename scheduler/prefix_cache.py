@@ -107,13 +107,17 @@ class HashMemo:
                               and _starts_with(tokens[head:len(entry.tokens)], entry.tokens[head:]))
         return known[chain[0][0]] if chain else known[key]
 
+    def refresh(self, keys: list[bytes]) -> bool:
+        """Whether the sequence whose pages' chain hashes are ``keys`` is remembered (now the most recently used)."""
+        if keys and keys[-1] in self.entries:
+            self.entries.move_to_end(keys[-1])
+            return True
+        return False
+
     def remember(self, tokens: list[int], keys: list[bytes]) -> None:
         """``keys``: the chain hashes of ``tokens``' full pages."""
         n = len(keys) * self.page_size
-        if len(keys) < MEMO_MIN_PAGES or n > self.max_tokens:
-            return
-        if keys[-1] in self.entries:
-            self.entries.move_to_end(keys[-1])
+        if len(keys) < MEMO_MIN_PAGES or n > self.max_tokens or self.refresh(keys):
             return
         while self.entries and (self.tokens + n > self.max_tokens or len(self.entries) >= self.max_entries):
             self.tokens -= len(self.entries.popitem(last=False)[1].tokens)
@@ -239,8 +243,9 @@ class PrefixCache:
 
     def acquire(self, match: Match) -> None:
         """A request takes the matched pages (one reference each) and locks the checkpoint."""
+        pop = self.evictable.pop
         for page in match.pages:
-            self.evictable.pop(page, None)
+            pop(page, None)
         self.pages.incref(match.pages)
         if match.checkpoint is not None:
             ckpt = match.checkpoint
@@ -356,8 +361,8 @@ class PrefixCache:
 
     def release_pages(self, pages: list[int]) -> None:
         """A request lets go of its pages; cached ones become evictable, deepest first."""
+        key_of, refs, evictable = self.key_of, self.pages.refs, self.evictable
         for page in reversed(pages):
-            if page in self.key_of and self.pages.refs[page] == 2:
-                self.evictable[page] = None
-                self.evictable.move_to_end(page)
+            if refs[page] == 2 and page in key_of:  # held by this request alone, so not evictable until now
+                evictable[page] = None
         self.pages.decref(pages)

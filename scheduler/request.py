@@ -104,9 +104,10 @@ class Request:
                     keyed[image.offset + k] = -1 - (seed + k) % (1 << 62)
             self._key_prompt = keyed
         p = self.prompt_len
-        head = self._key_prompt[start:min(end, p)] if start < p else []
-        tail = self.output[max(start - p, 0):end - p] if end > p else []
-        return head + tail
+        if end <= p:
+            return self._key_prompt[start:end]
+        head = self._key_prompt[start:p] if start < p else []
+        return head + self.output[max(start - p, 0):end - p]
 
     @property
     def prompt_len(self) -> int:
@@ -139,7 +140,8 @@ class Request:
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output, without copying the rest."""
         p = self.prompt_len
-        head = self.prompt[start:min(end, p)] if start < p else []
-        tail = self.output[max(start - p, 0):end - p] if end > p else []
-        return head + tail
+        if end <= p:
+            return self.prompt[start:end]
+        head = self.prompt[start:p] if start < p else []
+        return head + self.output[max(start - p, 0):end - p]
 

@@ -575,7 +575,7 @@ class Scheduler:
             req.match_keys = self.cache.prefix_keys(tokens)
         match = self.cache.match(tokens, req.match_keys)
         fresh = need - len(match.pages)
-        in_lru = sum(1 for p in match.pages if p in self.cache.evictable)
+        in_lru = sum(map(self.cache.evictable.__contains__, match.pages))
         if self.cache.available_pages() - in_lru < fresh:
             return False
         self.counters["cache_queries"] += 1
@@ -658,7 +658,8 @@ class Scheduler:
             else:
                 cache.slots.free(req.rolling_slot)
             req.rolling_slot = None
-        if publish and req.page_keys:  # the next turn of this conversation hashes only its own pages
+        if publish and req.page_keys and not cache.memo.refresh(req.page_keys):
+            # the next turn of this conversation hashes only its own pages
             cache.remember(req.key_tokens(0, len(req.page_keys) * self.sizes.page_size), req.page_keys)
 
     def _fail(self, rid: str, error: str, prompt_len: int) -> None:
