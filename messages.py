@@ -126,8 +126,8 @@ class Plan(Struct, omit_defaults=True):
     chunks: list[list[int]]  # [start, end) prompt positions per forward
     checkpoints: list[int] = []
     reason: str = ""
-    # layer_major: (layer, internal chunk) pairs per scheduling turn, decode steps between turns (0: one turn).
-    slice: int = 0
+    # layer_major: the scheduling turns of the prefill, decode steps between them (1: one turn; 0: chunked).
+    turns: int = 0
 
 
 class PromptAdmitted(Struct, tag="PromptAdmitted", omit_defaults=True):
@@ -256,7 +256,7 @@ class Batch(Struct, tag="Batch", omit_defaults=True):
     # "chunked", or "layer_major": one segment run layer by layer over internal chunks of chunk_size.
     mode: PlanMode = "chunked"
     chunk_size: int = 0
-    # layer_major over several turns (--layer-major-slice): this is turn ``turn`` of ``turns``, doing
+    # layer_major over several turns (--layer-major-turns): this is turn ``turn`` of ``turns``, doing
     # ``layer_chunks`` (layer, internal chunk) pairs of the prefill (0: all that are left); the first turn
     # carries the pages and copies, the last samples. ``drop``: end the prefill unfinished (its request was
     # aborted between turns).

@@ -1,13 +1,13 @@
 """Conversations decoding while a long cold prompt prefills: stall-free layer-major against one turn and chunked.
 
     python benchmarks/bench_stall_free.py --out DIR [--preset bench] [--cold 32012] [--chunk 4096]
-                                          [--cache-fraction 0.11] [--conversations 1,8,32] [--slice 16,32]
+                                          [--cache-fraction 0.11] [--conversations 1,8,32] [--turns 2,4]
                                           [--arms single_turn,stall_free,chunked] [--device cuda]
 
 A fresh ``tidal serve`` per arm (``--load-format random``, experts offloaded with a cache of ~11% of all
 experts, pinned PLE, ``--max-prefill-length`` 4096, ``--prefill-coalesce``): ``stall_free`` is ``--prefill-
-layer-major --layer-major-slice SLICE``, one arm ``stall_free:SLICE`` per slice of ``--slice``;
-``single_turn`` the same with slice 0 (one turn, only while nothing else runs: with conversations decoding the
+layer-major --layer-major-turns TURNS``, one arm ``stall_free:TURNS`` per value of ``--turns``;
+``single_turn`` the same with one turn (only while nothing else runs: with conversations decoding the
 prompt runs chunked), ``chunked`` no layer-major. Warm-ups (a short request, a long prompt), then a long cold
 prompt alone (its first text: the arm's ``alone_first_text_s``); for each N of ``--conversations``: N
 conversations (512-token prompts, greedy, ``ignore_eos``) start; once each has streamed 32 text events, a window
@@ -23,7 +23,7 @@ Every arm gets the same prompts (each long one cold in its server), and the tap'
 are compared with the first arm's (``ids_equal_to_first_arm``): the long prompts' whole outputs, and each
 conversation's ids as far as both arms streamed it (they are cancelled after the long prompt). With
 ``single_turn`` first, the long prompt alone is the run the others must reproduce. Writes
-``DIR/bench_stall_free.json``.
+``DIR/bench_stall_free.json`` after every arm.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from tidal.executor.presets import write_checkpoint
 
 ARM_FLAGS = {
     "stall_free": ["--prefill-layer-major"],
-    "single_turn": ["--prefill-layer-major", "--layer-major-slice", "0"],
+    "single_turn": ["--prefill-layer-major", "--layer-major-turns", "1"],
     "chunked": [],
 }
 CHAT_PROMPT = 512  # tokens of each conversation's prompt
@@ -114,7 +114,7 @@ def tap_ids(tap: TapReader, rid: str | None, finished: bool = True) -> list[int]
 
 
 def run_arm(arm: str, path: str, ns, slots: int, prompts) -> dict:
-    kind, _, size = arm.partition(":")
+    kind, _, turns = arm.partition(":")
     n_max = max(ns.conversations)
     context = max(ns.cold + ns.long_tokens, CHAT_PROMPT + ns.chat_tokens) + 64
     kv = n_max * (CHAT_PROMPT + ns.chat_tokens) + ns.cold + ns.long_tokens + 1024  # no preemption
@@ -123,7 +123,7 @@ def run_arm(arm: str, path: str, ns, slots: int, prompts) -> dict:
              "--max-running-requests", str(n_max + 2), "--max-model-len", str(context), "--kv-pool-tokens", str(kv),
              *ARM_FLAGS[kind]]
     if kind == "stall_free":
-        flags += ["--layer-major-slice", size]
+        flags += ["--layer-major-turns", turns]
     srv = Server(path, *flags, served_model_name="bench", device=ns.device, ready_timeout=900)
     tap = TapReader(srv.tap_addr)
     out = {"arm": arm, "flags": flags, "rounds": []}
@@ -170,6 +170,28 @@ def same_ids(first: dict, arm: dict) -> dict:
     return out
 
 
+def summarize(arms: list[dict]) -> tuple[dict, dict]:
+    """Per arm and conversation count: the long prompt's first text against alone, the conversations' ITL."""
+    summary = {}
+    for arm in arms:
+        for r in arm["rounds"]:
+            b, d = r["baseline"], r["during_prefill"]
+            summary.setdefault(arm["arm"], {})[r["conversations"]] = {
+                "long_first_text_s": r["long_first_text_s"], "long_mode": (r["long_plan"] or {}).get("mode"),
+                "first_text_over_alone": r["long_first_text_s"] / arm["alone_first_text_s"],
+                "itl_p99_during_over_alone": d["itl_p99_s"] / b["itl_p99_s"] if b["itl_p99_s"] else None,
+                "itl_p50_s": d["itl_p50_s"], "itl_p99_s": d["itl_p99_s"], "itl_max_s": d["itl_max_s"],
+                "itl_p99_alone_s": b["itl_p99_s"],
+                "events_per_s_during": d["events_per_s"], "events_per_s_alone": b["events_per_s"]}
+    alone = {arm["arm"]: arm["alone_first_text_s"] for arm in arms}
+    if "single_turn" in alone:
+        for name, rows in summary.items():  # against one turn of layer-major with nothing else running
+            for row in rows.values():
+                if name.startswith("stall_free"):
+                    row["first_text_over_single_turn_alone"] = row["long_first_text_s"] / alone["single_turn"]
+    return summary, alone
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -178,8 +200,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--cache-fraction", type=float, default=0.11)
     ap.add_argument("--conversations", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--slice", default="16,32", type=lambda s: [int(x) for x in s.split(",")],
-                    help="--layer-major-slice of each stall_free arm")
+    ap.add_argument("--turns", default="2,4", type=lambda s: [int(x) for x in s.split(",")],
+                    help="--layer-major-turns of each stall_free arm")
     ap.add_argument("--arms", default="single_turn,stall_free,chunked")
     ap.add_argument("--chat-tokens", type=int, default=4096, help="output tokens a conversation asks for")
     ap.add_argument("--long-tokens", type=int, default=128)
@@ -203,30 +225,16 @@ def main() -> None:
                "rounds": {n: draw(ns.cold) for n in ns.conversations}}
     names: list[str] = []
     for a in ns.arms.split(","):
-        names += [f"stall_free:{size}" for size in ns.slice] if a == "stall_free" else [a]
-    arms = [run_arm(a, path, ns, slots, prompts) for a in names]
-    summary = {}
-    for arm in arms:
-        for r in arm["rounds"]:
-            b, d = r["baseline"], r["during_prefill"]
-            summary.setdefault(arm["arm"], {})[r["conversations"]] = {
-                "long_first_text_s": r["long_first_text_s"], "long_mode": (r["long_plan"] or {}).get("mode"),
-                "first_text_over_alone": r["long_first_text_s"] / arm["alone_first_text_s"],
-                "itl_p99_during_over_alone": d["itl_p99_s"] / b["itl_p99_s"] if b["itl_p99_s"] else None,
-                "itl_p50_s": d["itl_p50_s"], "itl_p99_s": d["itl_p99_s"], "itl_max_s": d["itl_max_s"],
-                "itl_p99_alone_s": b["itl_p99_s"],
-                "events_per_s_during": d["events_per_s"], "events_per_s_alone": b["events_per_s"]}
-    alone = {arm["arm"]: arm["alone_first_text_s"] for arm in arms}
-    if "single_turn" in alone:
-        for name, rows in summary.items():  # against one turn of layer-major with nothing else running
-            for row in rows.values():
-                if name.startswith("stall_free"):
-                    row["first_text_over_single_turn_alone"] = row["long_first_text_s"] / alone["single_turn"]
-    result = {"preset": ns.preset, "cold": ns.cold, "chunk": ns.chunk, "slices": ns.slice, "cache_slots": slots,
-              "alone_first_text_s": alone, "summary": summary,
-              "ids_equal_to_first_arm": {arm["arm"]: same_ids(arms[0], arm) for arm in arms[1:]}, "arms": arms}
-    with open(os.path.join(ns.out, "bench_stall_free.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        names += [f"stall_free:{turns}" for turns in ns.turns] if a == "stall_free" else [a]
+    arms: list[dict] = []
+    for name in names:  # the file is rewritten after each arm
+        arms.append(run_arm(name, path, ns, slots, prompts))
+        summary, alone = summarize(arms)
+        result = {"preset": ns.preset, "cold": ns.cold, "chunk": ns.chunk, "turns": ns.turns, "cache_slots": slots,
+                  "alone_first_text_s": alone, "summary": summary,
+                  "ids_equal_to_first_arm": {arm["arm"]: same_ids(arms[0], arm) for arm in arms[1:]}, "arms": arms}
+        with open(os.path.join(ns.out, "bench_stall_free.json"), "w") as f:
+            json.dump(result, f, indent=1)
     print("\narm             N    long first text s  / alone  mode         ITL p50 / p99 / max ms   "
           "p99 during/alone  events/s alone -> during")
     for name, rows in summary.items():

@@ -76,7 +76,7 @@ class ServerArgs:
     ple_backend: str = "gpu"  # "gpu" | "pinned" | "disk"
     prefill_layer_major: bool = False
     layer_major_max_tokens: int = 32768
-    layer_major_slice: int = 4  # (layer, internal chunk) pairs per scheduling turn; 0: the whole prefill in one
+    layer_major_turns: int = 2  # scheduling turns of whole layers, decode steps between; 1: one, run alone
     disable_cuda_graph: bool = False
     disable_prefill_graph: bool = False
     prefill_graph_max_tokens: int = 8192  # the longest prompt chunk a prompt graph takes (sizes up to 8,256)
@@ -180,7 +180,7 @@ class ServerArgs:
         need(2 <= self.prefill_graph_max_tokens <= 8256, "prefill_graph_max_tokens",
              f"must be between 2 and 8256, got {self.prefill_graph_max_tokens}")
         need(0 <= self.batch_wait_ms <= 1000, "batch_wait_ms", f"must be between 0 and 1000, got {self.batch_wait_ms}")
-        need(self.layer_major_slice >= 0, "layer_major_slice", f"must be >= 0, got {self.layer_major_slice}")
+        need(self.layer_major_turns >= 1, "layer_major_turns", f"must be >= 1, got {self.layer_major_turns}")
         need(self.layer_major_max_tokens >= 1, "layer_major_max_tokens",
              f"must be >= 1, got {self.layer_major_max_tokens}")
         need(not (self.restart_on_failure and self.nnodes > 1), "restart_on_failure",
@@ -330,10 +330,10 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-layer-major", action="store_true",
                    help="run an eligible long prefill layer by layer over all its internal chunks, so each layer's "
                         "streamed experts cross to the device once")
-    p.add_argument("--layer-major-slice", type=int, default=d.layer_major_slice,
-                   help="(layer, internal chunk) pairs of a layer-major prefill per scheduling turn, with the running "
-                        "requests' decode steps between turns; 0: the whole prefill in one turn, only while "
-                        "nothing else runs")
+    p.add_argument("--layer-major-turns", type=int, default=d.layer_major_turns,
+                   help="scheduling turns a layer-major prefill is split into, whole decoder layers each (at most "
+                        "one a layer), with the running requests' decode steps between turns; 1: one turn, only "
+                        "while nothing else runs")
     p.add_argument("--layer-major-max-tokens", type=int, default=d.layer_major_max_tokens,
                    help="the most new prompt tokens a layer-major prefill takes")
     p.add_argument("--disable-overlap-schedule", action="store_true",

@@ -9,7 +9,7 @@ moves on with the next chunk). The outer batch finishes the n-gram contexts and 
 The work is a sequence of steps: per layer, every chunk up to its MoE block, then every chunk's MoE (the
 experts' copy is awaited once the rest of the layer is queued, and only MoE work is left when it lands).
 :meth:`LayerMajorPrefill.run` does some of them, so that the prefill can span several scheduling turns
-with other requests' decode steps between them (``--layer-major-slice``); its activations and the expert
+with other requests' decode steps between them (``--layer-major-turns``); its activations and the expert
 store's layer buffers stay alive between turns.
 """
 

@@ -7,10 +7,10 @@ between layers, so it is limited to the case the mechanism is for: one long text
 one rank, with experts offloaded and PLE tables in memory. Everything else runs chunked, and the plan
 says why.
 
-With ``--layer-major-slice`` > 0 (the default) the prefill runs over several scheduling turns of that many
-(layer, internal chunk) pairs each, and the requests already decoding take a step between turns; so a
-long prompt is eligible while others decode. Prompts that arrive meanwhile wait until it is done (their
-chunks would stream every layer again and compete for the same copies). With 0 it is one turn, eligible
+With ``--layer-major-turns`` > 1 (the default 2) the prefill runs over that many scheduling turns of whole
+decoder layers (over all its internal chunks), and the requests already decoding take a step between turns;
+so a long prompt is eligible while others decode. Prompts that arrive meanwhile wait until it is done (their
+chunks would stream every layer again and compete for the same copies). With 1 it is one turn, eligible
 only while nothing else runs or waits.
 """
 
@@ -32,8 +32,8 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
         (args.moe_strategy == "offload", "experts resident (layer-major needs --moe-strategy offload)"),
         (args.ple_backend != "disk", "--ple-backend disk (layer-major needs gpu or pinned)"),
         (not busy, "another layer-major prefill is under way"),
-        (others == 0 or args.layer_major_slice > 0,
-         f"{others} other request(s) running or waiting (--layer-major-slice 0 runs alone)"),
+        (others == 0 or args.layer_major_turns > 1,
+         f"{others} other request(s) running or waiting (--layer-major-turns 1 runs alone)"),
         (not want_logits, "every prompt row is needed (scoring or prompt log-probabilities)"),
         (chunk is not None and new_tokens > chunk,
          f"{new_tokens} new tokens within --max-prefill-length {chunk}"),
@@ -43,5 +43,5 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
     for ok, why in checks:
         if not ok:
             return False, f"chunked: {why}"
-    turns = f", {args.layer_major_slice} layer-chunks a turn" if args.layer_major_slice else ", one turn"
+    turns = f", {args.layer_major_turns} turns" if args.layer_major_turns > 1 else ", one turn"
     return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}{turns}"

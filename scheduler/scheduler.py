@@ -256,27 +256,33 @@ class Scheduler:
         return Batch(batch_id=self.batch_id, segments=segments, copies=copies or [], hc_shard=shard)
 
     def _layer_major_pending(self) -> Request | None:
-        """The request whose layer-major prefill runs over several turns (``--layer-major-slice`` > 0), once
+        """The request whose layer-major prefill runs over several turns (``--layer-major-turns`` > 1), once
         admitted and until its last turn is answered."""
-        if not self.args.layer_major_slice:
+        if self.args.layer_major_turns <= 1:
             return None
         return next((r for r in self.running.values()
                      if r.layer_major and not r.prefill_done and r.status is Status.RUNNING), None)
 
+    def _lm_turns(self) -> int:
+        """The turns of a layer-major prefill: ``--layer-major-turns``, at most one a decoder layer."""
+        return max(1, min(self.args.layer_major_turns, self.config.num_hidden_layers))
+
     def _layer_major_turn(self, req: Request) -> Batch:
         """The next turn of ``req``'s layer-major prefill: the first carries its whole segment (tokens, pages,
-        restores, exports), later ones name it, and the last (which samples) carries it again for the result."""
+        restores, exports), later ones name it, and the last (which samples) carries it again for the result.
+        Each turn runs whole decoder layers over every internal chunk, the layers shared out as evenly as the
+        turns allow."""
         chunk = chunk_step(self.args.max_prefill_length)
+        layers = self.config.num_hidden_layers
         copies: list[list[int]] = []
         if req.lm_spec is None:
             start, end = req.chunks[req.next_chunk]
             req.lm_spec = self._prefill_segment(req, start, end)
             copies, req.copies = req.copies, []
-            pairs = self.config.num_hidden_layers * (len(chunk_bounds(start, end, chunk)) - 1)
-            size = self.args.layer_major_slice
-            req.lm_turn, req.lm_turns = 0, 1 if not size else -(-pairs // size)
-        spec, turn = req.lm_spec, req.lm_turn
-        last = turn == req.lm_turns - 1
+            req.lm_chunks = len(chunk_bounds(start, end, chunk)) - 1
+            req.lm_turn, req.lm_turns = 0, self._lm_turns()
+        spec, turn, turns = req.lm_spec, req.lm_turn, req.lm_turns
+        last = turn == turns - 1
         if turn == 0:  # the executor builds the prefill from this one
             seg = spec if last else replace(spec, sample=False)
         elif last:
@@ -285,8 +291,9 @@ class Scheduler:
             seg = replace(spec, sample=False, pages=[], token_ids=[], history=[], exports=[])
         req.lm_turn += 1
         self._lm_last = True
-        return self._batch([seg], copies, mode="layer_major", chunk_size=chunk, turn=turn, turns=req.lm_turns,
-                           layer_chunks=self.args.layer_major_slice)
+        pairs = (layers * (turn + 1) // turns - layers * turn // turns) * req.lm_chunks
+        return self._batch([seg], copies, mode="layer_major", chunk_size=chunk, turn=turn, turns=turns,
+                           layer_chunks=pairs)
 
     @staticmethod
     def _prompt_targets(req: Request, start: int, end: int) -> dict:
@@ -557,7 +564,7 @@ class Scheduler:
                 rid=req.rid, prompt_tokens=req.prompt_len, cached_tokens=req.cached_tokens,
                 plan=Plan(mode="layer_major" if req.layer_major else "chunked", chunks=[list(c) for c in req.chunks],
                           checkpoints=plan.checkpoints, reason=f"{why}; {plan.reason}",
-                          slice=self.args.layer_major_slice if req.layer_major else 0),
+                          turns=self._lm_turns() if req.layer_major else 0),
             ))
 
     def _take_memory(self, req: Request) -> bool:

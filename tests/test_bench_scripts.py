@@ -303,7 +303,7 @@ def test_bench_stall_free_runs_on_cpu(tmp_path):
     out = tmp_path / "sf"
     proc = subprocess.run([sys.executable, script("bench_stall_free.py"), "--out", str(out),
                            "--preset", "tiny", "--device", "cpu", "--cold", "600", "--chunk", "128",
-                           "--conversations", "2", "--slice", "2", "--long-tokens", "4", "--chat-tokens", "2000",
+                           "--conversations", "2", "--turns", "2", "--long-tokens", "4", "--chat-tokens", "2000",
                            "--baseline-s", "1.5", "--cache-fraction", "0.3"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

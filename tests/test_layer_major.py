@@ -55,8 +55,8 @@ def test_default_off():
     ({}, 32769, 0, False, "--layer-major-max-tokens"),      # over the cap
     ({"ple_backend": "disk"}, 8000, 0, False, "disk"),
     ({"ple_backend": "pinned"}, 8000, 0, True, "layer-major"),
-    ({"layer_major_slice": 0}, 8000, 1, False, "other request"),  # one turn: a second request running
-    ({}, 8000, 1, True, "layer-chunks a turn"),             # over turns: others decode meanwhile
+    ({"layer_major_turns": 1}, 8000, 1, False, "other request"),  # one turn: a second request running
+    ({}, 8000, 1, True, "2 turns"),                         # over turns: others decode meanwhile
     ({"moe_strategy": "resident"}, 8000, 0, False, "offload"),
     ({"tp": 2}, 8000, 0, False, "--tp 2"),
 ])

@@ -1,4 +1,4 @@
-"""A layer-major prefill over several scheduling turns while other requests decode (``--layer-major-slice``).
+"""A layer-major prefill over several scheduling turns while other requests decode (``--layer-major-turns``).
 
 Every request's greedy ids must equal the same request run alone; the conversations must take steps
 between the prefill's turns; aborts and failures between turns must leave nothing behind.
@@ -53,6 +53,7 @@ class Driver:
         self.admitted: dict[str, PromptAdmitted] = {}
         self.batches: list[tuple[str, list[str]]] = []  # (kind, rids) in order
         self.emitted: list[tuple[int, str]] = []  # (batch index, rid) of each token
+        self.turn_pairs: list[int] = []  # (layer, internal chunk) pairs of each layer-major turn
 
     def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         self.scheduler.add_request(GenerateReq(rid=rid, prompt_ids=list(prompt), max_tokens=max_tokens,
@@ -65,6 +66,8 @@ class Driver:
             return False
         kind = "turn" if batch.mode == "layer_major" else "batch"
         self.batches.append((kind, [s.rid for s in batch.segments]))
+        if kind == "turn" and not batch.drop:
+            self.turn_pairs.append(batch.layer_chunks)
         try:
             out = self.runner.execute(batch)
         except Exception as e:
@@ -111,26 +114,32 @@ def start_conversations(d: Driver) -> None:
 
 
 @pytest.mark.parametrize("coalesce", [False, True], ids=["align", "coalesce"])
-@pytest.mark.parametrize("size,slots", [(0, 4), (1, 4), (5, 4), (1, 16)],
-                         ids=["one-turn", "slice1", "slice5", "slice1-cache16"])
-def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_checkpoint, alone, size, slots,
+@pytest.mark.parametrize("turns,slots", [(1, 4), (4, 4), (3, 4), (9, 16)],
+                         ids=["one-turn", "layer-a-turn", "uneven-turns", "layer-a-turn-cache16"])
+def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_checkpoint, alone, turns, slots,
                                                                          coalesce):
     """With 4 cache slots the conversations' decodes (5 experts a layer) take layers whole: those the prefill's
     buffers hold as they are, the others into the buffers, which the prefill copies again; with 16 they go
     through the cache (but for the buffered layers), which keeps what the prefill's whole-layer copies will take
     from it."""
-    llm = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_slice=size, **{**OFFLOAD,
-                                                                                      "moe_cache_slots": slots})
+    llm = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_turns=turns, **{**OFFLOAD,
+                                                                                       "moe_cache_slots": slots})
     d = Driver(llm)
-    d.add("long", LONG, 8)  # alone: layer-major whatever the slice
+    d.add("long", LONG, 8)  # alone: layer-major whatever the turns
     d.run_all()
     assert d.tokens["long"] == alone["long"]
     assert d.admitted["long"].plan.mode == "layer_major"
     layers = llm.config.num_hidden_layers
+    want_turns = min(turns, layers)  # at most one a layer
+    assert len(d.turns()) == want_turns
+    assert d.admitted["long"].plan.turns == want_turns
+    # Each turn ran whole layers over every internal chunk, the layers shared out evenly.
     chunks = math.ceil(len(LONG) / CHUNK)
-    assert len(d.turns()) == (1 if size == 0 else math.ceil(layers * chunks / size))
-    if size:  # every state the prefill wrote (its checkpoints' included) equals one turn's, bit for bit
-        one = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_slice=0,
+    per_turn = sorted(pairs // chunks for pairs in d.turn_pairs)
+    assert sum(per_turn) == layers and per_turn[-1] - per_turn[0] <= 1
+    assert all(pairs % chunks == 0 for pairs in d.turn_pairs)
+    if turns > 1:  # every state the prefill wrote (its checkpoints' included) equals one turn's, bit for bit
+        one = LLM(tiny_checkpoint, prefill_coalesce=coalesce, layer_major_turns=1,
                   **{**OFFLOAD, "moe_cache_slots": slots})
         assert one.generate([LONG], max_tokens=8, ignore_eos=True)[0] == alone["long"]
         for got, want in zip(llm.runner.states._tensors(), one.runner.states._tensors(), strict=True):
@@ -145,13 +154,12 @@ def test_ids_equal_alone_cold_and_after_a_hit_with_decodes_between_turns(tiny_ch
         assert d.tokens[f"chat{i}"] == alone[f"chat{i}"], i
     admitted = d.admitted["again"]
     assert admitted.cached_tokens == 256
-    if size == 0:  # one turn runs alone: with conversations decoding the prompt runs chunked
-        assert admitted.plan.mode == "chunked" and "--layer-major-slice 0" in admitted.plan.reason
+    if turns == 1:  # one turn runs alone: with conversations decoding the prompt runs chunked
+        assert admitted.plan.mode == "chunked" and "--layer-major-turns 1" in admitted.plan.reason
         return
-    assert admitted.plan.mode == "layer_major" and admitted.plan.slice == size
+    assert admitted.plan.mode == "layer_major" and admitted.plan.turns == want_turns
     turns = [t for t in d.turns() if t >= first]
-    new_chunks = math.ceil((len(LONG_AGAIN) - 256) / CHUNK)
-    assert len(turns) == math.ceil(layers * new_chunks / size)
+    assert len(turns) == want_turns
     assert llm.scheduler.counters["layer_major_turns"] == len(d.turns())
     # Between consecutive turns every conversation took a decode step (they all decode through the prefill).
     between = [sum(1 for b, rid in d.emitted if lo < b < hi and rid.startswith("chat"))
@@ -166,8 +174,7 @@ def test_decodes_between_turns_take_the_buffered_layers_and_copy_first(tiny_chec
     """A turn that ends with a layer leaves the layer after next uncopied until the next turn begins, so the
     decode steps between them queue their expert copies ahead of it; those steps take the layers the buffers
     hold whole (copying none of their experts) and the others through the cache."""
-    chunks = math.ceil(len(LONG) / CHUNK)
-    llm = LLM(tiny_checkpoint, layer_major_slice=chunks, **{**OFFLOAD, "moe_cache_slots": 6})
+    llm = LLM(tiny_checkpoint, layer_major_turns=4, **{**OFFLOAD, "moe_cache_slots": 6})  # a layer a turn
     store = llm.runner.expert_store
     d = Driver(llm)
     start_conversations(d)
@@ -196,7 +203,7 @@ def test_decodes_between_turns_take_the_buffered_layers_and_copy_first(tiny_chec
 
 @pytest.mark.parametrize("who", ["long", "chat1"])
 def test_an_abort_between_turns_frees_everything(tiny_checkpoint, alone, who):
-    llm = LLM(tiny_checkpoint, layer_major_slice=1, **OFFLOAD)
+    llm = LLM(tiny_checkpoint, layer_major_turns=4, **OFFLOAD)
     d = Driver(llm)
     start_conversations(d)
     d.add("long", LONG, 8)
@@ -216,7 +223,7 @@ def test_an_abort_between_turns_frees_everything(tiny_checkpoint, alone, who):
 
 
 def test_a_failing_turn_fails_only_its_request(tiny_checkpoint, alone, monkeypatch):
-    llm = LLM(tiny_checkpoint, layer_major_slice=1, **OFFLOAD)
+    llm = LLM(tiny_checkpoint, layer_major_turns=4, **OFFLOAD)
     d = Driver(llm)
     start_conversations(d)
     run, calls = LayerMajorPrefill.run, []

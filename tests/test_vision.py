@@ -131,11 +131,11 @@ def test_greedy_ids_cold_chunked_cached_and_another_image(composite):
     stats = chunked.scheduler.stats()
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
     # Layer-major over internal chunks of 16 (in one turn and over turns), cold and after a hit.
-    for size in (0, 3):
+    for turns in (1, 3):
         lm = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8,
-                 moe_strategy="offload", moe_cache_slots=4, prefill_layer_major=True, layer_major_slice=size)
+                 moe_strategy="offload", moe_cache_slots=4, prefill_layer_major=True, layer_major_turns=turns)
         for _ in range(2):
-            assert lm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want, size
+            assert lm.generate([prompt], max_tokens=8, ignore_eos=True, images=[images])[0] == want, turns
         assert lm.scheduler.counters["layer_major_turns"] >= 1
 
 
