@@ -12,7 +12,7 @@ from ..messages import AbortReason, GenerateReq, ImageInput, SamplingParams
 
 # The fields that describe one admission, reset when a preempted request goes back to waiting.
 ADMISSION = ("slot", "pages", "pages_sent", "page_keys", "history_sent", "chunks", "next_chunk", "num_computed",
-             "copies", "layer_major", "match_keys", "lm_spec", "lm_turn", "lm_turns", "lm_chunks")
+             "copies", "layer_major", "match_keys", "lm_spec", "lm_turn", "lm_chunks")
 
 
 class Status(enum.Enum):
@@ -48,11 +48,9 @@ class Request:
     branch: int = 0  # prompt tokens already cached as KV pages when admitted
     layer_major: bool = False  # its long prompt forward runs layer-major (decided at admission)
     # A layer-major prefill under way over several turns: its segment as the first turn sent it, the next
-    # turn, the number of turns and its internal chunks (the executor holds the prefill from the first turn to
-    # the last).
+    # turn and its internal chunks (the executor holds the prefill from the first turn to the last).
     lm_spec: object | None = None
     lm_turn: int = 0
-    lm_turns: int = 1
     lm_chunks: int = 0
     page_keys: list[bytes] = field(default_factory=list)  # chain hashes of the pages indexed so far
     images: list[ImageInput] = field(default_factory=list)  # in prompt order

@@ -144,7 +144,7 @@ class Scheduler:
 
     def _end_request(self, req: Request) -> None:
         """A request leaves: a layer-major prefill the executor holds for it (between turns) is let go."""
-        if req.lm_spec is not None and req.lm_turn < req.lm_turns:
+        if req.lm_spec is not None and req.lm_turn < self._lm_turns():
             self._lm_drop = True
         req.lm_spec = None
 
@@ -265,7 +265,7 @@ class Scheduler:
 
     def _lm_turns(self) -> int:
         """The turns of a layer-major prefill: ``--layer-major-turns``, at most one a decoder layer."""
-        return max(1, min(self.args.layer_major_turns, self.config.num_hidden_layers))
+        return min(self.args.layer_major_turns, self.config.num_hidden_layers)
 
     def _layer_major_turn(self, req: Request) -> Batch:
         """The next turn of ``req``'s layer-major prefill: the first carries its whole segment (tokens, pages,
@@ -280,8 +280,8 @@ class Scheduler:
             req.lm_spec = self._prefill_segment(req, start, end)
             copies, req.copies = req.copies, []
             req.lm_chunks = len(chunk_bounds(start, end, chunk)) - 1
-            req.lm_turn, req.lm_turns = 0, self._lm_turns()
-        spec, turn, turns = req.lm_spec, req.lm_turn, req.lm_turns
+            req.lm_turn = 0
+        spec, turn, turns = req.lm_spec, req.lm_turn, self._lm_turns()
         last = turn == turns - 1
         if turn == 0:  # the executor builds the prefill from this one
             seg = spec if last else replace(spec, sample=False)
