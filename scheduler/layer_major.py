@@ -21,9 +21,11 @@ from .chunking import chunk_step
 
 
 def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_logits: bool,
-                         busy: bool = False) -> tuple[bool, str]:
+                         busy: bool = False, layers: int | None = None) -> tuple[bool, str]:
     """``(eligible, reason)`` for a prompt with ``new_tokens`` uncached tokens, while ``others``
-    other requests are running or waiting; ``busy``: another layer-major prefill is under way."""
+    other requests are running or waiting; ``busy``: another layer-major prefill is under way. With the
+    model's decoder ``layers`` given, the turns are at most one a layer."""
+    turns = args.layer_major_turns if layers is None else min(args.layer_major_turns, layers)
     if not args.prefill_layer_major:
         return False, "layer-major off"
     chunk = args.max_prefill_length
@@ -32,8 +34,8 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
         (args.moe_strategy == "offload", "experts resident (layer-major needs --moe-strategy offload)"),
         (args.ple_backend != "disk", "--ple-backend disk (layer-major needs gpu or pinned)"),
         (not busy, "another layer-major prefill is under way"),
-        (others == 0 or args.layer_major_turns > 1,
-         f"{others} other request(s) running or waiting (--layer-major-turns 1 runs alone)"),
+        (others == 0 or turns > 1, f"{others} other request(s) running or waiting "
+         f"(one turn runs alone: --layer-major-turns {args.layer_major_turns})"),
         (not want_logits, "every prompt row is needed (scoring or prompt log-probabilities)"),
         (chunk is not None and new_tokens > chunk,
          f"{new_tokens} new tokens within --max-prefill-length {chunk}"),
@@ -43,5 +45,5 @@ def layer_major_decision(args: ServerArgs, new_tokens: int, others: int, want_lo
     for ok, why in checks:
         if not ok:
             return False, f"chunked: {why}"
-    turns = f", {args.layer_major_turns} turns" if args.layer_major_turns > 1 else ", one turn"
-    return True, f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}{turns}"
+    return True, (f"layer-major: {new_tokens} new tokens in internal chunks of {chunk_step(chunk)}, "
+                  + (f"{turns} turns" if turns > 1 else "one turn"))

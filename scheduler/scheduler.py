@@ -553,7 +553,7 @@ class Scheduler:
             busy = any(r.layer_major and not r.prefill_done for r in self.running.values())
             req.layer_major, why = layer_major_decision(self.args, req.prefill_len - req.num_computed,
                                                         len(self.running) + len(self.waiting), req.full_prompt,
-                                                        busy)
+                                                        busy, self.config.num_hidden_layers)
             plan = self._plan(req)
             self.running[req.rid] = req
             if req.admitted:  # resumed after a preemption: admitted (and reported) once already

@@ -65,6 +65,16 @@ def test_eligibility_boundaries(kw, new, others, eligible, words):
     assert ok is eligible and words in why
 
 
+def test_turns_beyond_the_layers_are_capped_in_the_decision():
+    # More turns than decoder layers run one a layer: the reason gives that count, and one turn runs alone.
+    ok, why = layer_major_decision(_args(layer_major_turns=4), 8000, 0, False, layers=3)
+    assert ok and why.endswith(", 3 turns")
+    ok, why = layer_major_decision(_args(layer_major_turns=4), 8000, 0, False, layers=1)
+    assert ok and why.endswith(", one turn")
+    ok, why = layer_major_decision(_args(layer_major_turns=4), 8000, 1, False, layers=1)
+    assert not ok and "one turn runs alone" in why
+
+
 def test_scoring_request_is_not_layer_major():
     ok, why = layer_major_decision(_args(), 8000, 0, True)
     assert not ok and "scoring" in why
