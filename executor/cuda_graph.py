@@ -6,10 +6,11 @@ with one launch. A decode batch (every segment one token; the runner sends gener
 only, see ``ForwardBatch.decode_only``) is padded to a captured batch size, and the QSA layers' block
 count to a power of two, so that every tensor shape is fixed:
 
-* the per-row inputs (token id, position, slot, fresh) live in one persistent device buffer, filled
-  with one host-to-device copy per step; a token id of -1 reads the slot's entry of :attr:`last_ids`,
+* the per-row inputs (token id, position, slot, fresh, rotary shift) live in one persistent device buffer,
+  filled with one host-to-device copy per step; a token id of -1 reads the slot's entry of :attr:`last_ids`,
   the token its previous step sampled on the device (a step launched before that one's ids reached
-  the host);
+  the host); the rotary shift is what a request's images add to the positions of the text after them (the
+  same on all three axes there, so the row turns as one position), 0 without images;
 * page tables live on the device per state slot (:attr:`slot_pages`), updated with the page deltas
   the scheduler sends, and gathered per row inside the graph;
 * everything else a forward needs (KV write rows, n-gram contexts, QSA block keys and the blocks a
@@ -75,9 +76,9 @@ class DecodeGraphs:
         self.ngram_eos = config.ngram_eos_id
         self.rotary = model.model.rotary if config.attention_layers else None
         long = dict(dtype=torch.long, device=device)
-        # Rows: token id, position, slot, fresh. Host side pinned on CUDA (one async copy per step).
-        self.inputs = torch.zeros(4, max_batch, **long)
-        self.host = torch.zeros(4, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
+        # Rows: token id, position, slot, fresh, rotary shift. Host side pinned on CUDA (one async copy per step).
+        self.inputs = torch.zeros(5, max_batch, **long)
+        self.host = torch.zeros(5, max_batch, dtype=torch.long, pin_memory=device.type == "cuda")
         self.copied = torch.cuda.Event() if device.type == "cuda" else None
         # Per slot, the token its latest graph step sampled: a step launched before that one is finished
         # carries -1 for it (see ``ModelRunner.launch``) and reads it here.
@@ -152,13 +153,14 @@ class DecodeGraphs:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int], shifts: list[int] | None = None
+            ) -> torch.Tensor:
         """Logits ``[len(ids), vocab]`` in the model's dtype of one decode row per request (rows in the given
-        order)."""
+        order); ``shifts``: each row's rotary shift (none: 0)."""
         n = len(ids)
         self.flush_pages()
         size, blocks = self.ensure(positions)
-        self._fill(ids, positions, slots)
+        self._fill(ids, positions, slots, shifts or [0] * n)
         self.steps += 1
         if self.capture:
             self._graphs[size, blocks].replay()
@@ -182,7 +184,7 @@ class DecodeGraphs:
             if layers != self.num_layers:
                 raise RuntimeError(f"a decode graph captured over {layers} of the model's {self.num_layers} layers "
                                    "would replay only those")
-            self._fill([], [], [])  # warm-up and capture touch only the padding slot and page
+            self._fill([], [], [], [])  # warm-up and capture touch only the padding slot and page
             self._graphs[key] = self._record(*key)
             self.captures += 1
 
@@ -200,12 +202,13 @@ class DecodeGraphs:
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / times
 
-    def _fill(self, ids: list[int], positions: list[int], slots: list[int]) -> None:
+    def _fill(self, ids: list[int], positions: list[int], slots: list[int], shifts: list[int]) -> None:
         pad = self.max_batch - len(ids)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has read the host buffer
         self.host.copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad,
-                                      [int(p == 0) for p in positions] + [1] * pad], dtype=torch.long))
+                                      [int(p == 0) for p in positions] + [1] * pad, shifts + [0] * pad],
+                                     dtype=torch.long))
         self.inputs.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
@@ -256,6 +259,7 @@ class DecodeGraphs:
             return page_table.gather(1, pos // ps).long() * ps + pos % ps
 
         kv_write_rows = rows_of(positions[:, None])[:, 0]
+        shift = self.inputs[4, :b]
         width = self.states.ngram_context.shape[1]
         ctx = self.states.ngram_context[slots]
         ngram_context = torch.where(fresh[:, None], torch.full_like(ctx, self.ngram_eos), ctx) if width else ctx
@@ -270,10 +274,10 @@ class DecodeGraphs:
             block_pos = (first[:, None] + torch.arange(r, device=self.device)).clamp(min=0)
             last = (torch.arange(blocks, device=self.device) + 1) * r - 1
             cols = (last // ps).clamp(max=self.max_pages - 1)
-            qsa = QSABlocks(ratio=r, new_rows=rows_of(block_pos), new_pos=first.clamp(min=0),
+            qsa = QSABlocks(ratio=r, new_rows=rows_of(block_pos), new_pos=first.clamp(min=0) + shift,
                             key_rows=page_table[:, cols].long() * ps + last % ps, max_blocks=blocks)
         return self._assemble(b, ids, positions, slots, fresh, page_table, kv_write_rows, (positions + 1).int(),
-                              ngram_context, qsa)
+                              ngram_context, qsa, rope_positions=positions + shift)
 
     def _forward_batch_triton(self, b: int, blocks: int) -> ForwardBatch:
         """``_forward_batch``'s tensors from one kernel (``kernels/decode_prep_triton``)."""
@@ -291,7 +295,7 @@ class DecodeGraphs:
                               rope=(p["cos"], p["sin"]) if self.rotary else None)
 
     def _assemble(self, b: int, ids, positions, slots, fresh, page_table, kv_write_rows, kv_lens, ngram_context,
-                  qsa, rope=None) -> ForwardBatch:
+                  qsa, rope=None, rope_positions=None) -> ForwardBatch:
         group = RowGroup(row0=0, seg0=0, num_rows=b, num_segments=b, max_seqlen=1, cu_seqlens=self._cu[:b + 1],
                          lengths=self._ones[:b], slots=slots, fresh=fresh, kv_lens=kv_lens, page_table=page_table)
         none = RowGroup(row0=b, seg0=b, num_rows=0, num_segments=0, max_seqlen=0, cu_seqlens=self._cu[:1],
@@ -301,5 +305,5 @@ class DecodeGraphs:
             input_ids=ids, positions=positions, segments=[], kv=self.kv, states=self.states,
             all=group, decode=group, prefill=none, kv_write_rows=kv_write_rows, row_segment=self._rows[:b],
             ngram_context=ngram_context, export_seg=self._empty, export_off=self._empty, export_dst=self._empty,
-            waves=[], qsa=qsa, decode_only=True, rope=rope,
+            waves=[], qsa=qsa, decode_only=True, rope=rope, rope_positions=rope_positions,
         )

@@ -29,6 +29,8 @@ class RequestImages:
             raise ValueError(f"{features.shape[0]} vision features for {len(self.index)} image tokens")
         self.features = features
         self.delta = sum(max(gh, gw) - n for _, n, _, gh, gw in self.spans)
+        # From this position on every token is text at its position plus ``delta`` on all three axes.
+        self.text_from = max((o + n for o, n, *_ in self.spans), default=0)
 
     def positions(self, seq: np.ndarray) -> np.ndarray:
         """``[3, len(seq)]`` (frame, row, column) positions of the sequence positions ``seq``."""

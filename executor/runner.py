@@ -339,8 +339,24 @@ class ModelRunner:
         """Decode graphs serve batches of generated-token decodes only (a one-token prompt chunk runs
         eagerly, so that every prompt row computes alike: see ``ForwardBatch.decode_only``)."""
         return (self.graphs is not None and batch.mode != "layer_major"
-                and all(is_decode(s) and not s.want_logits and not s.prompt_targets and s.slot not in self.images
-                        for s in batch.segments))
+                and all(is_decode(s) and not s.want_logits and not s.prompt_targets for s in batch.segments)
+                and self._rope_shifts(batch.segments) is not None)
+
+    def _rope_shifts(self, specs: list[SegmentSpec]) -> list[int] | None:
+        """Each decode row's rotary shift in a graph step: what its request's images add to the positions of
+        the text after them (0 without images). ``None`` when a row completes a QSA block that starts before
+        that text: the block's key turns with (frame, row, column) positions, which the eager path gives."""
+        ratio, shifts = self.config.qsa_ratio, []
+        for spec in specs:
+            images = self.images.get(spec.slot)
+            if images is None:
+                shifts.append(0)
+                continue
+            first = spec.start + 1 - ratio if ratio and (spec.start + 1) % ratio == 0 else spec.start
+            if first < images.text_from:
+                return None
+            shifts.append(images.delta)
+        return shifts
 
     def _prefill_graph_batch(self, batch: Batch) -> bool:
         """Prompt graphs serve a prompt chunk alone in its batch (several rows, no images, no logits or prompt
@@ -416,7 +432,7 @@ class ModelRunner:
         slots = [spec.slot for spec in specs]
         if not self.graphs.fits(slots, positions):
             return None
-        logits = self.graphs.run([spec.token_ids[0] for spec in specs], positions, slots)
+        logits = self.graphs.run([spec.token_ids[0] for spec in specs], positions, slots, self._rope_shifts(specs))
         ends = [(spec.slot, int(d)) for spec in specs for o, d in spec.exports if int(o) == 1]
         self.states.copy_many([s for s, _ in ends], [d for _, d in ends])
         out = RunnerOutput(token_ids=[-1] * len(specs))

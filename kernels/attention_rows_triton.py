@@ -99,8 +99,9 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms: tup
 
 
 @triton.jit
-def _block_keys_kernel(ik_cache, sik_r, rows_ptr, s_rows, pos_ptr, s_pos, w_ptr, inv_freq_ptr, out_ptr, so_r,
-                       ratio, dim, rot, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _block_keys_kernel(ik_cache, sik_r, rows_ptr, s_rows, pos_ptr, s_pos, s_axis, axis_ptr, w_ptr, inv_freq_ptr,
+                       out_ptr, so_r, ratio, dim, rot, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MROPE: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     dt = out_ptr.dtype.element_ty
@@ -120,8 +121,14 @@ def _block_keys_kernel(ik_cache, sik_r, rows_ptr, s_rows, pos_ptr, s_pos, w_ptr,
     xp = (xp * (1.0 / ratio)).to(dt).to(tl.float32)
     w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=dmask & in_rot, other=0.0).to(tl.float32)
-    # Rotary of the block's first position, rounded to the cache's dtype (``Rotary.cos_sin``).
-    freqs = tl.load(pos_ptr + m * s_pos).to(tl.float32) * tl.load(inv_freq_ptr + d % half, mask=in_rot, other=0.0)
+    # Rotary of the block's first position, rounded to the cache's dtype (``Rotary.cos_sin``); with MROPE each
+    # frequency turns with the (frame, row, column) position its axis names.
+    if MROPE:
+        axis = tl.load(axis_ptr + d % half, mask=in_rot, other=0)
+        pos = tl.load(pos_ptr + axis * s_axis + m * s_pos, mask=in_rot, other=0)
+    else:
+        pos = tl.load(pos_ptr + m * s_pos)
+    freqs = pos.to(tl.float32) * tl.load(inv_freq_ptr + d % half, mask=in_rot, other=0.0)
     c = tl.cos(freqs).to(dt).to(tl.float32)
     s = tl.sin(freqs).to(dt).to(tl.float32)
     key = norm_rotary(x[None, :], xp[None, :], w, wp, c, s, d, dim, rot, eps, dt)
@@ -130,18 +137,21 @@ def _block_keys_kernel(ik_cache, sik_r, rows_ptr, s_rows, pos_ptr, s_pos, w_ptr,
 
 
 def qsa_block_keys(ik_cache: torch.Tensor, new_rows: torch.Tensor, new_pos: torch.Tensor, weight: torch.Tensor,
-                   eps: float, inv_freq: torch.Tensor, out: torch.Tensor) -> None:
+                   eps: float, inv_freq: torch.Tensor, out: torch.Tensor, axis: torch.Tensor | None = None) -> None:
     """For each block ``m`` of ``new_rows [Mb, ratio]`` (the KV rows of its tokens) and ``new_pos [Mb]`` (its
-    first position): the mean of its raw index keys in ``ik_cache [rows, d]``, RMS-normalised with
+    first position), or ``[3, Mb]`` (its (frame, row, column) positions, each frequency turning with the one
+    ``axis [rot / 2]`` names): the mean of its raw index keys in ``ik_cache [rows, d]``, RMS-normalised with
     ``weight`` and rotated by ``Rotary.cos_sin(new_pos)``, written to ``out [rows, d]`` at the row of the
     block's last token."""
     blocks, ratio = new_rows.shape
     dim = ik_cache.shape[1]
     rot = 2 * inv_freq.shape[0]
+    mrope = new_pos.dim() == 2
     assert ik_cache.stride(1) == out.stride(1) == new_rows.stride(1) == 1 and rot <= dim
+    assert not mrope or (axis is not None and new_pos.shape[0] == 3 and axis.shape == inv_freq.shape)
     if blocks:
         _block_keys_kernel[(blocks,)](
-            ik_cache, ik_cache.stride(0), new_rows, new_rows.stride(0), new_pos, new_pos.stride(0), weight, inv_freq,
-            out, out.stride(0),
+            ik_cache, ik_cache.stride(0), new_rows, new_rows.stride(0), new_pos, new_pos.stride(-1),
+            new_pos.stride(0) if mrope else 0, axis if mrope else new_pos, weight, inv_freq, out, out.stride(0),
             ratio, dim, rot, float(eps), BLOCK_R=triton.next_power_of_2(ratio), BLOCK_D=triton.next_power_of_2(dim),
-            num_warps=4, **pdl.launch_args(ik_cache))
+            MROPE=mrope, num_warps=4, **pdl.launch_args(ik_cache))

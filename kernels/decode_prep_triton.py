@@ -1,8 +1,8 @@
 """A decode graph's per-row tensors in one launch (imported for CUDA tensors, and on the CPU by the tests
 under ``TRITON_INTERPRET=1``).
 
-A decode step replayed from a CUDA graph derives everything its forward needs from four numbers a row
-(token id, position, slot, fresh) and the slot tables on the device: ``DecodeGraphs._forward_batch``
+A decode step replayed from a CUDA graph derives everything its forward needs from five numbers a row
+(token id, position, slot, fresh, rotary shift) and the slot tables on the device: ``DecodeGraphs._forward_batch``
 spells it out in torch, about fifty small kernels of a microsecond or two each. Here one program a row
 computes the same values:
 
@@ -10,9 +10,9 @@ computes the same values:
 * the row's page table (the slot's row of ``slot_pages``) and the KV row its token is written to;
 * the n-gram context before the token (the end-of-text id throughout for a fresh row), and the slot's
   context moved on by the token (the forward reads only the former);
-* rotary cos and sin of the position, rounded to the model's dtype (``Rotary.cos_sin``);
-* for QSA: the KV rows of the block that ends at the token, its first position, and the KV row of every
-  block's pooled key.
+* rotary cos and sin of the position plus the row's shift, rounded to the model's dtype (``Rotary.cos_sin``);
+* for QSA: the KV rows of the block that ends at the token, its first position plus the shift (what its pooled
+  key is turned by), and the KV row of every block's pooled key.
 
 Padding rows share one slot; they are fresh with token 0, so whatever order their programs run in
 they write the same values.
@@ -42,6 +42,7 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
     pos = tl.load(inputs_ptr + stride_in + t)
     slot = tl.load(inputs_ptr + 2 * stride_in + t)
     fresh = tl.load(inputs_ptr + 3 * stride_in + t) != 0
+    shift = tl.load(inputs_ptr + 4 * stride_in + t)
     token = tl.where(token < 0, tl.load(last_ids_ptr + slot), token)
     tl.store(ids_ptr + t, token)
     tl.store(fresh_ptr + t, fresh)
@@ -65,7 +66,7 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
     if BLOCK_ROT > 0:
         r = tl.arange(0, BLOCK_ROT)
         rmask = r < rot
-        freqs = pos.to(tl.float32) * tl.load(inv_freq_ptr + r % (rot // 2), mask=rmask, other=0.0)
+        freqs = (pos + shift).to(tl.float32) * tl.load(inv_freq_ptr + r % (rot // 2), mask=rmask, other=0.0)
         dt = cos_ptr.dtype.element_ty
         tl.store(cos_ptr + t * stride_r + r, tl.cos(freqs).to(dt), mask=rmask)
         tl.store(sin_ptr + t * stride_r + r, tl.sin(freqs).to(dt), mask=rmask)
@@ -76,7 +77,7 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
         imask = i < ratio
         page = tl.load(pages + bpos // page_size, mask=imask, other=0).to(tl.int64)
         tl.store(new_rows_ptr + t * stride_nr + i, page * page_size + bpos % page_size, mask=imask)
-        tl.store(new_pos_ptr + t, tl.maximum(first, 0))
+        tl.store(new_pos_ptr + t, tl.maximum(first, 0) + shift)
         for b0 in range(0, blocks, BLOCK_B):
             b = b0 + tl.arange(0, BLOCK_B)
             bmask = b < blocks
@@ -88,7 +89,8 @@ def _decode_prep_kernel(inputs_ptr, stride_in, last_ids_ptr, slot_pages_ptr, str
 def decode_prep(inputs: torch.Tensor, last_ids: torch.Tensor, slot_pages: torch.Tensor, page_size: int,
                 ngram_state: torch.Tensor, eos: int, inv_freq: torch.Tensor | None, dtype: torch.dtype,
                 ratio: int, blocks: int) -> dict[str, torch.Tensor]:
-    """The per-row tensors of a decode step of ``inputs [4, b]`` rows (token id, position, slot, fresh):
+    """The per-row tensors of a decode step of ``inputs [5, b]`` rows (token id, position, slot, fresh, rotary
+    shift):
     ``ids``, ``fresh``, ``kv_lens`` (int32), ``page_table`` (int32 ``[b, max_pages]``), ``kv_rows``,
     ``ngram_context`` (``[b, width]``; the slots' contexts in ``ngram_state`` move on by the rows'
     tokens), ``cos``/``sin`` (``[b, rotary_dim]`` in ``dtype``; none without ``inv_freq``) and, with a

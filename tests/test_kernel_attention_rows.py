@@ -71,22 +71,26 @@ def _case(rows_mod, tokens, heads, kv_heads, dim, rot, index, dtype, seed):
     assert torch.equal(caches[1], want[1]) and torch.equal(caches[2], want[2])  # copies
 
 
-def _blocks_case(rows_mod, blocks, ratio, dim, rot, dtype, seed):
+def _blocks_case(rows_mod, blocks, ratio, dim, rot, dtype, seed, mrope=False):
     g = torch.Generator().manual_seed(seed)
     n_rows = blocks * ratio + 16
     ik_cache = torch.randn(n_rows, dim, generator=g).to(DEV, dtype)
     new_rows = torch.randperm(n_rows, generator=g)[:blocks * ratio].view(blocks, ratio).to(DEV)
-    # A column of a wider tensor, as ``forward_batch._qsa_blocks`` hands it.
-    new_pos = torch.randint(0, 100_000, (blocks, 3), generator=g).to(DEV)[:, 1]
+    if mrope:  # (frame, row, column) positions, each axis its own: a view of the batch's upload, as images give
+        new_pos = torch.randint(0, 100_000, (3 * blocks + 5,), generator=g).to(DEV)[5:].view(3, blocks)
+    else:  # a column of a wider tensor, as ``forward_batch._qsa_blocks`` hands it
+        new_pos = torch.randint(0, 100_000, (blocks, 3), generator=g).to(DEV)[:, 1]
     weight = (torch.randn(dim, generator=g) * 0.1).to(DEV, dtype)
-    rotary = Rotary(rot, 1e7)
+    # Sections that leave every axis some frequencies at these widths (16 pairs: 0 frame, 1 row, 2 column ...).
+    rotary = Rotary(rot, 1e7, (rot // 8, rot // 8, rot // 8)) if mrope else Rotary(rot, 1e7)
     out = torch.randn(n_rows, dim, generator=g).to(DEV, dtype)
     want = out.clone()
     # QSAIndexer.write_block_keys' torch path, op by op.
     pooled = ik_cache[new_rows].float().mean(dim=1).to(dtype)
     cos, sin = rotary.cos_sin(new_pos, dtype)
     want[new_rows[:, -1]] = _ref(pooled[:, None], weight, 1e-6, cos, sin)[:, 0]
-    rows_mod.qsa_block_keys(ik_cache, new_rows, new_pos, weight, 1e-6, rotary.inv_freq(ik_cache.device), out)
+    rows_mod.qsa_block_keys(ik_cache, new_rows, new_pos, weight, 1e-6, rotary.inv_freq(ik_cache.device), out,
+                            rotary.axis(ik_cache.device) if mrope else None)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
     torch.testing.assert_close(out, want, **tol)
 
@@ -98,9 +102,11 @@ def test_attention_rows_match_the_torch_ops(rows_mod, tokens, heads, kv_heads, d
     _case(rows_mod, tokens, heads, kv_heads, dim, rot, index, torch.float32, seed=tokens)
 
 
+@pytest.mark.parametrize("mrope", [False, True])
 @pytest.mark.parametrize("blocks,ratio,dim,rot", [(3, 8, 32, 16), (2, 6, 24, 8), (1, 1, 16, 16)])
-def test_qsa_block_keys_match_the_torch_ops(rows_mod, blocks, ratio, dim, rot):
-    _blocks_case(rows_mod, blocks, ratio, dim, rot, torch.float32, seed=blocks)
+def test_qsa_block_keys_match_the_torch_ops(rows_mod, blocks, ratio, dim, rot, mrope):
+    """Block positions in one axis, or (frame, row, column) positions of image blocks."""
+    _blocks_case(rows_mod, blocks, ratio, dim, rot, torch.float32, seed=blocks, mrope=mrope)
 
 
 @pytest.mark.gpu
@@ -110,6 +116,7 @@ def test_attention_rows_gpu(rows_mod, dtype, tokens):
     """The bench model's attention layer: 16 heads of 256 (rotary over 64), 2 KV heads, 16 index heads of 128."""
     _case(rows_mod, tokens, 16, 2, 256, 64, (16, 128), dtype, seed=tokens)
     _blocks_case(rows_mod, tokens, 64, 128, 64, dtype, seed=tokens)
+    _blocks_case(rows_mod, tokens, 64, 128, 64, dtype, seed=tokens, mrope=True)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """A decode graph's per-row tensors from one kernel (``kernels/decode_prep_triton``) against the torch
 ops of ``DecodeGraphs._forward_batch`` that it replaces, on the same inputs: random page tables, token
 ids of -1 read from ``last_ids``, fresh rows, padding rows, positions across page and QSA block
-boundaries, and the slots' n-gram contexts it moves on.
+boundaries, rotary shifts (the text after a request's images), and the slots' n-gram contexts it moves on.
 
 Without CUDA the kernel runs in the interpreter on CPU tensors; the ``gpu`` test runs it compiled, with
 the model's dtype for cos and sin.
@@ -27,8 +27,8 @@ def _graphs(checkpoint: str, device: str, dtype: str, max_batch: int, max_pages:
     return llm.runner.graphs
 
 
-def _check(graphs, rows: list[tuple[int, int, int]], seed: int) -> None:
-    """``rows``: (token id, position, slot) of the real rows; the rest of the batch is padding."""
+def _check(graphs, rows: list[tuple[int, ...]], seed: int) -> None:
+    """``rows``: (token id, position, slot[, rotary shift]) of the real rows; the rest of the batch is padding."""
     from tidal.kernels import decode_prep_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -37,8 +37,9 @@ def _check(graphs, rows: list[tuple[int, int, int]], seed: int) -> None:
     graphs.last_ids.copy_(torch.randint(0, 5000, graphs.last_ids.shape, generator=g))
     ctx = graphs.states.ngram_context
     ctx.copy_(torch.randint(0, 5000, ctx.shape, generator=g))
-    ids, positions, slots = (list(c) for c in zip(*rows, strict=True))
-    graphs._fill(ids, positions, slots)
+    rows = [(*r, 0) if len(r) == 3 else r for r in rows]
+    ids, positions, slots, shifts = (list(c) for c in zip(*rows, strict=True))
+    graphs._fill(ids, positions, slots, shifts)
     size, blocks = graphs._shape(positions)
     before = ctx.clone()
     want = graphs._forward_batch(size, blocks)  # the torch ops: CPU tensors, or TIDAL_KERNELS on a GPU
@@ -56,7 +57,8 @@ def _check(graphs, rows: list[tuple[int, int, int]], seed: int) -> None:
     assert torch.equal(got["kv_rows"], want.kv_write_rows)
     assert torch.equal(got["ngram_context"], want.ngram_context)
     assert torch.equal(ctx, want_ctx)
-    cos, sin = rotary.cos_sin(want.positions, dtype)
+    assert torch.equal(want.rope_positions, want.positions + torch.tensor(shifts + [0] * (size - len(rows))).to(dev))
+    cos, sin = rotary.cos_sin(want.rope_positions, dtype)
     # One rounding of the same fp32 angle: libdevice's and torch's cos may differ in the last fp32 bit.
     tol = dict(rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-6)
     torch.testing.assert_close(got["cos"], cos, **tol)
@@ -79,6 +81,7 @@ def test_decode_prep_matches_the_torch_ops(tiny_checkpoint, monkeypatch):
     _check(graphs, ROWS, seed=0)
     _check(graphs, ROWS[:1], seed=1)  # one row and seven padding rows
     _check(graphs, [(5, 600, 2), (6, 639, 4)], seed=2)  # 80 blocks: past the smallest graph's 64
+    _check(graphs, [(-1, 300, 3, -250), (8, 47, 6, 0), (2, 95, 1, -9)], seed=4)  # rows after images
 
 
 @pytest.mark.gpu
@@ -89,4 +92,5 @@ def test_decode_prep_matches_the_torch_ops_gpu(tiny_checkpoint, dtype, monkeypat
     monkeypatch.setenv("TIDAL_KERNELS", "torch:decode_prep")  # the reference's ops in _forward_batch
     _check(graphs, ROWS, seed=0)
     _check(graphs, [(5, 600, 2), (6, 639, 4)], seed=2)
+    _check(graphs, [(-1, 300, 3, -250), (8, 47, 6, 0), (2, 95, 1, -9)], seed=4)
     _check(graphs, [(-1, 100_000 + 7 * i, i) for i in range(8)], seed=3)  # long positions: the angles' range

@@ -139,6 +139,78 @@ def test_greedy_ids_cold_chunked_cached_and_another_image(composite):
         assert lm.scheduler.counters["layer_major_turns"] >= 1
 
 
+@pytest.mark.parametrize("case", [*CASES, "image last"])
+def test_image_requests_decode_in_graph_steps(composite, case):
+    """Decode steps of image requests run the graphs' fixed-shape path (on the CPU without capture), their
+    rotary positions shifted by what the images add; a step that completes a QSA block starting inside the
+    images runs eagerly. Ids equal transformers' over several blocks, alone and beside a text request."""
+    name, path, hf = composite
+    # The prompt ends a token after its image: the first decodes complete blocks that start inside it.
+    grids, texts = CASES[case] if case in CASES else ([(1, 4, 6)], [[5, 6, 7], []])
+    prompt, images, pixels, grid_t = images_and_prompt(hf, grids, texts, seed=7)
+    want = hf_greedy(hf, prompt, pixels, grid_t, 20)
+    llm = LLM(path, dtype="float32", max_running_requests=2)
+    llm.runner.use_graphs(4, 16, capture=False)
+    text = [5, 6, 7, 8, 9]
+    alone = LLM(path, dtype="float32").generate([text], max_tokens=20, ignore_eos=True)[0]
+    assert llm.generate([prompt], max_tokens=20, ignore_eos=True, images=[images])[0] == want
+    assert llm.runner.graphs.steps >= 17
+    got = llm.generate([prompt, text], max_tokens=20, ignore_eos=True, images=[images, []])
+    assert got == [want, alone]
+    stats = llm.scheduler.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
+@pytest.mark.parametrize("ratio", [4, 16])
+def test_graph_rotary_shifts_are_the_images_positions(ratio):
+    """A decode row's graph shift turns it, and the block it completes, exactly as the (frame, row, column)
+    positions of its request's images do; rows whose completed block starts inside the images get none."""
+    import types
+
+    import numpy as np
+
+    from tidal.executor.images import RequestImages
+    from tidal.executor.runner import ModelRunner
+    from tidal.messages import SegmentSpec
+
+    grids, offsets, merge = [(1, 4, 6), (2, 2, 8)], [3, 13], 2
+    ims = [image_input(torch.zeros(t * h * w, 4), (t, h, w), o, merge) for (t, h, w), o in zip(grids, offsets)]
+    images = RequestImages(ims, torch.zeros(sum(im.tokens for im in ims), 1), merge)
+    runner = types.SimpleNamespace(config=types.SimpleNamespace(qsa_ratio=ratio), images={3: images})
+    shifted = refused = 0
+    for pos in range(images.text_from, images.text_from + 3 * ratio):
+        spec = SegmentSpec(rid="r", slot=3, start=pos, token_ids=[-1], sample=True)
+        shifts = ModelRunner._rope_shifts(runner, [spec, SegmentSpec(rid="t", slot=0, start=pos, token_ids=[1])])
+        first = pos + 1 - ratio if (pos + 1) % ratio == 0 else pos
+        want = images.positions(np.array([pos, first]))
+        if shifts is None:
+            refused += 1
+            assert first < images.text_from and not (want[:, 1] == first + images.delta).all()
+            continue
+        shifted += 1
+        assert shifts == [images.delta, 0]
+        assert (want == np.array([pos, first]) + shifts[0]).all()
+    assert shifted and refused
+
+
+@pytest.mark.gpu
+def test_image_requests_on_the_kernels_and_graphs_gpu(composite, monkeypatch):
+    """On the GPU (fp32): image requests' greedy ids with the QSA block-key kernel on (frame, row, column)
+    positions and decode steps replayed from graphs with rotary shifts, against the same requests with those
+    operations on their torch references (which also decode without graphs)."""
+    name, path, hf = composite
+    requests = [images_and_prompt(hf, *CASES[case], seed=8)[:2] for case in CASES]
+    requests.append(images_and_prompt(hf, [(1, 4, 6)], [[5, 6, 7], []], seed=9)[:2])
+    prompts, images = [p for p, _ in requests], [i for _, i in requests]
+    kwargs = dict(max_tokens=24, ignore_eos=True, images=images)
+    monkeypatch.setenv("TIDAL_KERNELS", "torch:norm_rotary,decode_prep")
+    want = LLM(path, device="cuda", dtype="float32").generate(prompts, **kwargs)
+    monkeypatch.delenv("TIDAL_KERNELS")
+    llm = LLM(path, device="cuda", dtype="float32")
+    assert llm.generate(prompts, **kwargs) == want
+    assert llm.runner.graphs is not None and llm.runner.graphs.steps > 0
+
+
 def test_bad_image_runs_are_refused(composite):
     name, path, hf = composite
     prompt, images, _, _ = images_and_prompt(hf, [(1, 4, 4)], [[5], [6]], seed=1)

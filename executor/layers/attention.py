@@ -49,12 +49,14 @@ class QSAIndexer(nn.Module):
         qsa, kv = batch.qsa, batch.kv
         if not qsa.new_pos.numel():
             return
-        if use_triton(qsa.new_rows, "norm_rotary") and self.k_layernorm.group_size is None and qsa.new_pos3 is None:
+        if use_triton(qsa.new_rows, "norm_rotary") and self.k_layernorm.group_size is None:
             from ...kernels.attention_rows_triton import qsa_block_keys
 
-            qsa_block_keys(kv.flat(kv.index_k, layer), qsa.new_rows, qsa.new_pos, self.k_layernorm.weight,
-                           self.k_layernorm.eps, rotary.inv_freq(qsa.new_rows.device),
-                           kv.flat(kv.index_block_k, layer))
+            device = qsa.new_rows.device
+            qsa_block_keys(kv.flat(kv.index_k, layer), qsa.new_rows,
+                           qsa.new_pos3 if qsa.new_pos3 is not None else qsa.new_pos, self.k_layernorm.weight,
+                           self.k_layernorm.eps, rotary.inv_freq(device), kv.flat(kv.index_block_k, layer),
+                           rotary.axis(device))
             return
         raw = kv.flat(kv.index_k, layer)[qsa.new_rows]  # [Mb, ratio, d]
         pooled = raw.float().mean(dim=1).to(raw.dtype)

@@ -33,6 +33,7 @@ class Rotary(nn.Module):
         self._inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu")
                                           / rotary_dim))
         self._on_device: dict[torch.device, torch.Tensor] = {}
+        self._axis_on_device: dict[torch.device, torch.Tensor] = {}
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """The fp32 inverse frequencies ``[rotary_dim / 2]`` on ``device`` (copied there once)."""
@@ -41,12 +42,19 @@ class Rotary(nn.Module):
             inv_freq = self._on_device[device] = self._inv_freq.to(device)
         return inv_freq
 
+    def axis(self, device: torch.device) -> torch.Tensor:
+        """The axis (0 frame, 1 row, 2 column) each frequency turns with, ``[rotary_dim / 2]`` long on ``device``."""
+        axis = self._axis_on_device.get(device)
+        if axis is None:
+            axis = self._axis_on_device[device] = self._axis.to(device)
+        return axis
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, rotary_dim]`` cos and sin for integer ``positions [T]``, or ``[3, T]`` (frame, row,
         column)."""
         inv_freq = self.inv_freq(positions.device)
         if positions.dim() == 2:
-            picked = positions[self._axis.to(positions.device)].T  # [T, rotary_dim / 2]
+            picked = positions[self.axis(positions.device)].T  # [T, rotary_dim / 2]
             freqs = picked.float() * inv_freq
         else:
             freqs = positions.float().unsqueeze(-1) * inv_freq
