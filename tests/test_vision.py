@@ -174,7 +174,8 @@ def test_graph_rotary_shifts_are_the_images_positions(ratio):
     from tidal.messages import SegmentSpec
 
     grids, offsets, merge = [(1, 4, 6), (2, 2, 8)], [3, 13], 2
-    ims = [image_input(torch.zeros(t * h * w, 4), (t, h, w), o, merge) for (t, h, w), o in zip(grids, offsets)]
+    ims = [image_input(torch.zeros(t * h * w, 4), (t, h, w), o, merge)
+           for (t, h, w), o in zip(grids, offsets, strict=True)]
     images = RequestImages(ims, torch.zeros(sum(im.tokens for im in ims), 1), merge)
     runner = types.SimpleNamespace(config=types.SimpleNamespace(qsa_ratio=ratio), images={3: images})
     shifted = refused = 0
