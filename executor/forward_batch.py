@@ -44,6 +44,9 @@ class Segment:
     pages: list[int] = field(default_factory=list)
     exports: list[tuple[int, int]] = field(default_factory=list)
     images: RequestImages | None = None  # the request's images (3-D positions, vision features)
+    # In a fixed-shape forward: what the request's images add to the rotary positions of this text segment
+    # (every row and completed QSA block past the images turns with its position plus this, on all three axes).
+    rope_shift: int = 0
 
     @property
     def fresh(self) -> bool:
@@ -299,6 +302,7 @@ class ForwardPlan:
     qsa: tuple[Ref, int] | None
     images: tuple | None
     qsa_ratio: int
+    shifts: Ref | None = None  # fixed shapes: each segment's ``rope_shift``
 
 
 def plan_forward_batch(segments: list[Segment], input_ids: list[int], with_pages: bool, qsa_ratio: int = 0,
@@ -317,8 +321,11 @@ def plan_forward_batch(segments: list[Segment], input_ids: list[int], with_pages
     waves = _waves(up, segments[num_decodes:])
     qsa_i = _qsa_host(up, segments, qsa_ratio, fixed) if with_pages and qsa_ratio else None
     mm = _images_host(up, segments, qsa_ratio if qsa_i is not None else 0)
+    if fixed is not None and mm is not None:
+        raise ValueError("a fixed-shape forward takes no vision rows: its segments' images turn by rope_shift")
+    shifts_i = up.add([s.rope_shift for s in segments]) if fixed is not None else None
     return ForwardPlan(up=up, segments=segments, groups=groups, ids=ids_i, starts=starts_i, exports=ex_i, waves=waves,
-                       qsa=qsa_i, images=mm, qsa_ratio=qsa_ratio)
+                       qsa=qsa_i, images=mm, qsa_ratio=qsa_ratio, shifts=shifts_i)
 
 
 def assemble_forward_batch(plan: ForwardPlan, views: list[torch.Tensor], kv: KVPool | None, states: StatePool,
@@ -351,6 +358,11 @@ def assemble_forward_batch(plan: ForwardPlan, views: list[torch.Tensor], kv: KVP
     if plan.qsa is not None:
         qsa = _qsa_blocks(views[plan.qsa[0]], plan.qsa[1], all_group.page_table, page_size, plan.qsa_ratio)
     vision = {}
+    if plan.shifts is not None:
+        shifts = views[plan.shifts]
+        vision = dict(rope_positions=positions + shifts[row_segment])
+        if qsa is not None:
+            qsa = dataclasses.replace(qsa, new_pos=qsa.new_pos + shifts[views[plan.qsa[0]][:, 0]])
     if plan.images is not None:
         rope_i, rows_i, blocks_i, embeds = plan.images
         vision = dict(rope_positions=views[rope_i].view(3, -1), vision_rows=views[rows_i], vision_embeds=embeds)

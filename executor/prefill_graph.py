@@ -153,14 +153,15 @@ class PrefillGraphs:
     # -- the forward -------------------------------------------------------------------------------
 
     def run(self, slot: int, start: int, token_ids: list[int], pages: list[int],
-            exports: list[tuple[int, int]]) -> torch.Tensor | None:
+            exports: list[tuple[int, int]], rope_shift: int = 0) -> torch.Tensor | None:
         """Logits ``[1, vocab]`` (the model's dtype) of the last row of a prompt segment run from its graph, its
         states and n-gram context written as an eager forward writes them (internal checkpoint included; the
-        caller copies end-of-segment ones); ``None`` when no captured shape takes it."""
+        caller copies end-of-segment ones); ``None`` when no captured shape takes it. ``rope_shift``: what the
+        request's images add to the rotary positions of this text (``Segment.rope_shift``)."""
         key = self.key(start, len(token_ids), exports, len(pages))
         if key is None:
             return None
-        plan, last = self._plan(key, slot, start, token_ids, pages, exports)
+        plan, last = self._plan(key, slot, start, token_ids, pages, exports, rope_shift)
         if self.capture:
             self.prepare(key)
             if signature(plan) != self._layouts[key]:
@@ -194,14 +195,14 @@ class PrefillGraphs:
         pages = [self.pad_page] * -(-length // self.page_size)
         return self._plan(key, self.pad_slot, 0, [0] * length, pages, [])
 
-    def _plan(self, key, slot, start, token_ids, pages, exports) -> tuple[ForwardPlan, int]:
+    def _plan(self, key, slot, start, token_ids, pages, exports, rope_shift: int = 0) -> tuple[ForwardPlan, int]:
         length = len(token_ids)
         e, dst = self.split(length, exports)
         m, _ = key
         pad = rows_of(m) - length
         head = GDN_CHUNK * m + 1 - e  # the padding rows of wave 0
         segments = [Segment(slot=slot, start=start, length=length, row0=0, pages=list(pages),
-                            exports=[(e, dst)] if m else []),
+                            exports=[(e, dst)] if m else [], rope_shift=rope_shift),
                     Segment(slot=self.pad_slot, start=0, length=pad, row0=length,
                             pages=[self.pad_page] * -(-pad // self.page_size),
                             exports=[(head, self.pad_slot)] if m else [])]

@@ -359,13 +359,25 @@ class ModelRunner:
         return shifts
 
     def _prefill_graph_batch(self, batch: Batch) -> bool:
-        """Prompt graphs serve a prompt chunk alone in its batch (several rows, no images, no logits or prompt
-        log-probabilities asked for its rows); :meth:`PrefillGraphs.key` decides whether its size fits one."""
+        """Prompt graphs serve a prompt chunk alone in its batch (several rows, no logits or prompt log-probabilities
+        asked for its rows) of text: with images, a chunk past them (:meth:`_prompt_shift`);
+        :meth:`PrefillGraphs.key` decides whether its size fits one."""
         if self.prefill_graphs is None or batch.mode == "layer_major" or len(batch.segments) != 1:
             return False
         spec = batch.segments[0]
-        return (len(spec.token_ids) > 1 and not spec.want_logits and not spec.prompt_targets and not spec.images
-                and spec.slot not in self.images)
+        return (len(spec.token_ids) > 1 and not spec.want_logits and not spec.prompt_targets
+                and self._prompt_shift(spec) is not None)
+
+    def _prompt_shift(self, spec: SegmentSpec) -> int | None:
+        """A prompt chunk's rotary shift in a prompt graph (0 without images; its request's images are in
+        ``self.images`` once ``_prepare`` ran): their delta when the chunk and every QSA block it completes lie
+        past them, else ``None`` (its rows or blocks turn with (frame, row, column) positions: eager)."""
+        images = self.images.get(spec.slot)
+        if images is None:
+            return 0
+        ratio = self.config.qsa_ratio
+        first = spec.start // ratio * ratio if ratio else spec.start
+        return images.delta if first >= images.text_from else None
 
     def _execute_prefill_graph(self, spec: SegmentSpec) -> Launched | None:
         """A prompt chunk from its graph (``None``: no captured shape takes it; run it eagerly)."""
@@ -373,7 +385,8 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.flush_pages()
         exports = [(int(o), int(d)) for o, d in spec.exports]
-        logits = self.prefill_graphs.run(spec.slot, spec.start, spec.token_ids, table, exports)
+        logits = self.prefill_graphs.run(spec.slot, spec.start, spec.token_ids, table, exports,
+                                         self._prompt_shift(spec))
         if logits is None:
             return None
         ends = [d for o, d in exports if o == len(spec.token_ids)]

@@ -61,8 +61,8 @@ def test_continuations_and_prefix_hits_equal_eager(tiny_checkpoint):
     graphs = llm.runner.prefill_graphs
     runs = []
     run = graphs.run
-    graphs.run = lambda slot, start, token_ids, pages, exports: runs.append((start, len(token_ids))) or run(
-        slot, start, token_ids, pages, exports)
+    graphs.run = lambda slot, start, token_ids, *rest: runs.append((start, len(token_ids))) or run(
+        slot, start, token_ids, *rest)
     got = [llm.generate([p], max_tokens=12, ignore_eos=True)[0] for p in prompts]
     assert got == want
     assert graphs.replays == 3

@@ -161,6 +161,29 @@ def test_image_requests_decode_in_graph_steps(composite, case):
     assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
 
 
+def test_text_chunks_of_image_requests_run_prompt_graphs(composite):
+    """Prompt chunks past a request's images run the prompt graphs' fixed-shape forward (on the CPU without
+    capture), their rotary positions shifted by what the images add: chunked, and a continuation of the cached
+    image prompt. Ids equal transformers'; chunks holding image rows run eagerly."""
+    from tidal.executor.prefill_graph import PrefillGraphs
+
+    name, path, hf = composite
+    prompt, images, pixels, grid_t = images_and_prompt(hf, [(1, 4, 6)], [[5, 6, 7], list(range(20, 50))], seed=10)
+    longer = prompt + list(range(60, 73))
+    want = [hf_greedy(hf, p, pixels, grid_t, 6) for p in (prompt, longer)]
+    llm = LLM(path, dtype="float32", max_prefill_length=16, page_size=4, checkpoint_align=8)
+    r = llm.runner
+    r.prefill_graphs = PrefillGraphs(r.model, r.config, r.kv, r.states, r.device, 64,
+                                     pad_slot=r.states.num_slots - 1, pad_page=r.kv.num_pages - 1, capture=False,
+                                     sizes=(0, 1))
+    got = [llm.generate([p], max_tokens=6, ignore_eos=True, images=[images])[0] for p in (prompt, longer)]
+    assert got == want
+    assert r.prefill_graphs.replays >= 3  # chunks of 16 past the image, and the continuation's
+    assert llm.scheduler.counters["cached_tokens"] > len(prompt) // 2
+    stats = llm.scheduler.stats()
+    assert stats.kv_pages_in_use == 0 and stats.state_slots_in_use == 0
+
+
 @pytest.mark.parametrize("ratio", [4, 16])
 def test_graph_rotary_shifts_are_the_images_positions(ratio):
     """A decode row's graph shift turns it, and the block it completes, exactly as the (frame, row, column)
@@ -203,13 +226,17 @@ def test_image_requests_on_the_kernels_and_graphs_gpu(composite, monkeypatch):
     requests = [images_and_prompt(hf, *CASES[case], seed=8)[:2] for case in CASES]
     requests.append(images_and_prompt(hf, [(1, 4, 6)], [[5, 6, 7], []], seed=9)[:2])
     prompts, images = [p for p, _ in requests], [i for _, i in requests]
+    # Then each prompt with more text: its cached prefix restored, the new text a prompt graph's forward.
+    rounds = [prompts, [p + list(range(60, 100)) for p in prompts]]
     kwargs = dict(max_tokens=24, ignore_eos=True, images=images)
     monkeypatch.setenv("TIDAL_KERNELS", "torch:norm_rotary,decode_prep")
-    want = LLM(path, device="cuda", dtype="float32").generate(prompts, **kwargs)
+    ref = LLM(path, device="cuda", dtype="float32", page_size=4, checkpoint_align=8)
+    want = [ref.generate(ps, **kwargs) for ps in rounds]
     monkeypatch.delenv("TIDAL_KERNELS")
-    llm = LLM(path, device="cuda", dtype="float32")
-    assert llm.generate(prompts, **kwargs) == want
+    llm = LLM(path, device="cuda", dtype="float32", page_size=4, checkpoint_align=8)
+    assert [llm.generate(ps, **kwargs) for ps in rounds] == want
     assert llm.runner.graphs is not None and llm.runner.graphs.steps > 0
+    assert llm.runner.prefill_graphs is not None and llm.runner.prefill_graphs.replays > 0
 
 
 def test_bad_image_runs_are_refused(composite):
