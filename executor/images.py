@@ -15,7 +15,9 @@ class RequestImages:
     plus (frame, row, column) in merged tokens, and the text after it goes on ``max(rows, columns)``
     past its start."""
 
-    def __init__(self, images: list[ImageInput], features: torch.Tensor, merge: int):
+    def __init__(self, images: list[ImageInput], features: torch.Tensor, merge: int, start: int = 0):
+        """``features``: those of the images that end past position ``start`` (the request's first uncomputed
+        position: the rows before it are cached, so the images wholly before it need none)."""
         self.spans = []  # (offset, tokens, t, rows, columns)
         for image in images:
             t, h, w = image.grid
@@ -23,7 +25,10 @@ class RequestImages:
             if image.tokens != t * gh * gw:
                 raise ValueError(f"an image of grid {image.grid} has {t * gh * gw} vision tokens, not {image.tokens}")
             self.spans.append((image.offset, t * gh * gw, t, gh, gw))
-        self.index = np.concatenate([np.arange(o, o + n) for o, n, *_ in self.spans]) if self.spans else \
+        encoded = [(o, n) for o, n, *_ in self.spans if o + n > start]
+        # Rows before this position may lie in an image without features: no forward of this request reads them.
+        self.unencoded_end = max((o + n for o, n, *_ in self.spans if o + n <= start), default=0)
+        self.index = np.concatenate([np.arange(o, o + n) for o, n in encoded]) if encoded else \
             np.zeros(0, dtype=np.int64)
         if features.shape[0] != len(self.index):
             raise ValueError(f"{features.shape[0]} vision features for {len(self.index)} image tokens")
@@ -51,5 +56,8 @@ class RequestImages:
     def rows(self, start: int, n: int) -> tuple[np.ndarray, slice]:
         """The vision tokens among positions ``[start, start + n)``: their offsets in that range, and
         their rows of ``features``."""
+        if start < self.unencoded_end:
+            raise ValueError(f"positions from {start} on reach into an image encoded for the request's rows past "
+                             f"{self.unencoded_end} only")
         lo, hi = np.searchsorted(self.index, [start, start + n])
         return self.index[lo:hi] - start, slice(int(lo), int(hi))

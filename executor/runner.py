@@ -231,11 +231,11 @@ class ModelRunner:
         pools: no chains), and the tokens of decodes scheduled ahead."""
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         with_images = [spec for spec in batch.segments if spec.images]
-        if with_images:  # every image of the batch in one tower forward
-            self._encode([im for spec in with_images for im in spec.images])
+        if with_images:  # every image the batch's requests still compute rows of, in one tower forward
+            self._encode([im for spec in with_images for im in spec.images if im.offset + im.tokens > spec.start])
         for spec in batch.segments:
             if spec.images:
-                self.images[spec.slot] = self._request_images(spec.images)
+                self.images[spec.slot] = self._request_images(spec.images, spec.start)
             elif spec.page_base == 0 and spec.pages:  # a request's first segment: the slot's images are gone
                 self.images.pop(spec.slot, None)
             if spec.token_ids and spec.token_ids[0] < 0:  # scheduled ahead: the token sampled just before
@@ -428,11 +428,16 @@ class ModelRunner:
         rgb = torch.frombuffer(bytearray(image.rgb), dtype=torch.uint8).view(h * p, w * p, 3)
         return self.image_processor.pixel_values(rgb.to(self.device))
 
-    def _request_images(self, images: list[ImageInput]) -> RequestImages:
-        for im in images:
+    def _request_images(self, images: list[ImageInput], start: int) -> RequestImages:
+        """A request's images from its first uncomputed position ``start``: the features of those ending past it
+        (an image wholly in the cached prefix needs none, so a cached image prompt never runs the tower)."""
+        needed = [im for im in images if im.offset + im.tokens > start]
+        for im in needed:
             self.vision_cache.move_to_end(im.digest)
-        features = torch.cat([self.vision_cache[im.digest] for im in images])
-        return RequestImages(images, features, self.model.visual.cfg.spatial_merge_size)
+        cfg = self.model.visual.cfg
+        features = torch.cat([self.vision_cache[im.digest] for im in needed]) if needed else \
+            torch.empty(0, cfg.out_hidden_size, dtype=self.model.visual.patch_embed.weight.dtype, device=self.device)
+        return RequestImages(images, features, cfg.spatial_merge_size, start)
 
     def _execute_graph(self, specs: list[SegmentSpec]) -> Launched | None:
         """A decode batch from a CUDA graph (``None``: it does not fit one; run it eagerly). With plain
