@@ -153,14 +153,13 @@ class DecodeGraphs:
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def run(self, ids: list[int], positions: list[int], slots: list[int], shifts: list[int] | None = None
-            ) -> torch.Tensor:
+    def run(self, ids: list[int], positions: list[int], slots: list[int], shifts: list[int]) -> torch.Tensor:
         """Logits ``[len(ids), vocab]`` in the model's dtype of one decode row per request (rows in the given
-        order); ``shifts``: each row's rotary shift (none: 0)."""
+        order); ``shifts``: each row's rotary shift."""
         n = len(ids)
         self.flush_pages()
         size, blocks = self.ensure(positions)
-        self._fill(ids, positions, slots, shifts or [0] * n)
+        self._fill(ids, positions, slots, shifts)
         self.steps += 1
         if self.capture:
             self._graphs[size, blocks].replay()

@@ -9,6 +9,11 @@ import torch
 from ..messages import ImageInput
 
 
+def images_past(images: list[ImageInput], start: int) -> list[ImageInput]:
+    """The images that end past position ``start``: those a request computing from ``start`` needs features of."""
+    return [im for im in images if im.offset + im.tokens > start]
+
+
 class RequestImages:
     """The images of one request, encoded (``features``: every vision token's embedding, in prompt
     order). Text positions count on from the position before them; an image's tokens sit at its start
@@ -36,6 +41,11 @@ class RequestImages:
         self.delta = sum(max(gh, gw) - n for _, n, _, gh, gw in self.spans)
         # From this position on every token is text at its position plus ``delta`` on all three axes.
         self.text_from = max((o + n for o, n, *_ in self.spans), default=0)
+
+    def shift_from(self, first: int) -> int | None:
+        """The rotary shift of rows (and QSA blocks) that start at ``first`` or later: ``delta`` past the images,
+        ``None`` before their end (such rows turn with (frame, row, column) positions)."""
+        return self.delta if first >= self.text_from else None
 
     def positions(self, seq: np.ndarray) -> np.ndarray:
         """``[3, len(seq)]`` (frame, row, column) positions of the sequence positions ``seq``."""

@@ -21,7 +21,7 @@ from . import quant
 from .cuda_graph import DecodeGraphs
 from .distributed import tp
 from .forward_batch import ForwardBatch, Segment, build_forward_batch, note_ngram_contexts
-from .images import RequestImages
+from .images import RequestImages, images_past
 from .layer_major import LayerMajorPrefill
 from .layers.hyper_connection import GatedResidual
 from .memory import KVPool, StatePool
@@ -232,7 +232,7 @@ class ModelRunner:
         self.states.copy_many([s for s, _ in batch.copies], [d for _, d in batch.copies])
         with_images = [spec for spec in batch.segments if spec.images]
         if with_images:  # every image the batch's requests still compute rows of, in one tower forward
-            self._encode([im for spec in with_images for im in spec.images if im.offset + im.tokens > spec.start])
+            self._encode([im for spec in with_images for im in images_past(spec.images, spec.start)])
         for spec in batch.segments:
             if spec.images:
                 self.images[spec.slot] = self._request_images(spec.images, spec.start)
@@ -349,13 +349,11 @@ class ModelRunner:
         ratio, shifts = self.config.qsa_ratio, []
         for spec in specs:
             images = self.images.get(spec.slot)
-            if images is None:
-                shifts.append(0)
-                continue
             first = spec.start + 1 - ratio if ratio and (spec.start + 1) % ratio == 0 else spec.start
-            if first < images.text_from:
+            shift = 0 if images is None else images.shift_from(first)
+            if shift is None:
                 return None
-            shifts.append(images.delta)
+            shifts.append(shift)
         return shifts
 
     def _prefill_graph_batch(self, batch: Batch) -> bool:
@@ -376,8 +374,7 @@ class ModelRunner:
         if images is None:
             return 0
         ratio = self.config.qsa_ratio
-        first = spec.start // ratio * ratio if ratio else spec.start
-        return images.delta if first >= images.text_from else None
+        return images.shift_from(spec.start // ratio * ratio if ratio else spec.start)
 
     def _execute_prefill_graph(self, spec: SegmentSpec) -> Launched | None:
         """A prompt chunk from its graph (``None``: no captured shape takes it; run it eagerly)."""
@@ -431,7 +428,7 @@ class ModelRunner:
     def _request_images(self, images: list[ImageInput], start: int) -> RequestImages:
         """A request's images from its first uncomputed position ``start``: the features of those ending past it
         (an image wholly in the cached prefix needs none, so a cached image prompt never runs the tower)."""
-        needed = [im for im in images if im.offset + im.tokens > start]
+        needed = images_past(images, start)
         for im in needed:
             self.vision_cache.move_to_end(im.digest)
         cfg = self.model.visual.cfg
